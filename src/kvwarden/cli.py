@@ -1,0 +1,96 @@
+"""``kvwarden`` command line: one sub-command per job.
+
+Each sub-command lives in its own module and registers itself here; argparse
+errors name the flag, and expected failures (bad model path, bad values) end
+with a one-line message and exit status 2 rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvwarden.config import CHUNKING_RULES, DTYPES, NUMERICS_MODES
+
+
+def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """Flags shared by every command that builds an engine."""
+    if model:
+        p.add_argument("model", help="model dir, .gguf file, 'smollm2' or 'builtin:<arch>-<preset>'")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--block-size", type=_positive, default=16)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+    p.add_argument("--max-num-seqs", type=_positive, default=32)
+    p.add_argument("--max-model-len", type=_positive, default=None)
+    p.add_argument(
+        "--num-blocks",
+        type=_positive,
+        default=None,
+        help="KV blocks (default: from --kv-cache-mib)",
+    )
+    p.add_argument("--kv-cache-mib", type=_positive, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--numerics", choices=NUMERICS_MODES, default="canonical")
+    p.add_argument("--chunking", choices=CHUNKING_RULES, default="kvwarden")
+    p.add_argument("--num-speculative-tokens", type=_non_negative, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """``LLM(...)`` keyword arguments from :func:`add_engine_args` flags."""
+    return {
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "num_blocks": args.num_blocks,
+        "kv_cache_memory": args.kv_cache_mib * 1024 * 1024,
+        "numerics": args.numerics,
+        "chunking": args.chunking,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "seed": args.seed,
+    }
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvwarden.commands import demo, generate, make_model
+
+    parser = argparse.ArgumentParser(prog="kvwarden", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (demo, generate, make_model):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvwarden {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvwarden {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

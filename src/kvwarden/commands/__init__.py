@@ -1,0 +1,1 @@
+"""Sub-commands of the ``kvwarden`` CLI, one module each."""

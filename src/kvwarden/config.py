@@ -1,0 +1,132 @@
+"""Engine configuration: frozen, layered dataclasses passed explicitly to every part.
+
+The layers are:
+
+* :class:`NumericsConfig` - how kernels reduce (the invariance contract lives here).
+* :class:`CacheConfig` - paged KV cache and prefix cache.
+* :class:`SchedulerConfig` - batching, chunked prefill, chunking rule.
+* :class:`EngineConfig` - the above plus model directory, dtype and seed.
+
+No part of kvwarden reads configuration from globals or environment variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+NumericsMode = Literal["canonical", "shape-dependent"]
+ChunkingRule = Literal["kvwarden", "legacy-align", "legacy-align-fixed"]
+DType = Literal["float32", "bfloat16"]
+
+NUMERICS_MODES: tuple[str, ...] = ("canonical", "shape-dependent")
+CHUNKING_RULES: tuple[str, ...] = ("kvwarden", "legacy-align", "legacy-align-fixed")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    """How the model's reductions are ordered.
+
+    Attributes:
+        mode: ``"canonical"`` makes every number a function of absolute token
+            positions only (kvwarden's contract). ``"shape-dependent"`` calls the
+            library kernels on whatever shape the scheduler produced, as vendor
+            engines do: faster, but results depend on batch and chunk shape.
+        row_tile: rows per GEMM / row-wise kernel call in canonical mode. Every
+            call sees exactly this many rows (padded), so the BLAS library picks
+            the same kernel whatever the batch size.
+        key_tile: keys per attention tile; tiles are aligned to absolute key
+            position 0 so softmax and P@V reductions never depend on the chunk.
+        pointwise_chunk: elements per call of a transcendental element-wise kernel
+            (exp, silu). Below torch's parallel grain size and a multiple of every
+            SIMD width, so each element takes the vectorised path, never a tail.
+    """
+
+    mode: NumericsMode = "canonical"
+    row_tile: int = 16
+    key_tile: int = 16
+    pointwise_chunk: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.mode not in NUMERICS_MODES:
+            raise ValueError(f"numerics: unknown mode {self.mode!r}; expected one of {NUMERICS_MODES}")
+        for name in ("row_tile", "key_tile", "pointwise_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"numerics.{name} must be >= 1")
+        if self.pointwise_chunk % 64:
+            raise ValueError("numerics.pointwise_chunk must be a multiple of 64")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block (and per prefix-cache entry).
+        num_blocks: blocks in the pool; ``None`` derives it from ``memory_bytes``.
+        memory_bytes: KV memory budget used when ``num_blocks`` is ``None``.
+        enable_prefix_caching: reuse full blocks across requests by content hash.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2")
+        if self.memory_bytes < 1:
+            raise ValueError("kv cache memory must be > 0 bytes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching with chunked prefill.
+
+    Attributes:
+        max_num_batched_tokens: token budget of one engine step (all requests).
+        max_num_seqs: most requests running at once.
+        chunking: the rule that cuts prefill into chunks. ``"kvwarden"`` takes as
+            much as the budget allows; the legacy rules re-create vLLM's
+            hybrid align-mode scheduling (see ``docs/architecture.md``).
+        num_speculative_tokens: a parameter of the legacy-align rule (it pulls the
+            last cacheable position back one block when speculation is on).
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    chunking: ChunkingRule = "kvwarden"
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.chunking not in CHUNKING_RULES:
+            raise ValueError(f"chunking: unknown rule {self.chunking!r}; expected one of {CHUNKING_RULES}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; built once by :class:`kvwarden.LLM`."""
+
+    model: str
+    dtype: DType = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown {self.dtype!r}; expected one of {DTYPES}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")

@@ -1,0 +1,217 @@
+"""The stepping engine: ``add_request`` / ``step`` / ``abort``.
+
+One ``step()`` = schedule -> run the model on the scheduled chunks -> sample for
+requests whose chunk reached their last token -> apply stop conditions. The
+server drives this loop in a background thread; :class:`kvwarden.LLM` drives it
+until every request it added has finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+from kvwarden.cache.block_pool import BlockPool
+from kvwarden.cache.kv_cache_manager import KVCacheManager
+from kvwarden.config import EngineConfig
+from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.request import Request, Status
+from kvwarden.engine.sampler import prompt_logprob_rows, sample_row
+from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvwarden.engine.stop import update_text_and_check_stop
+from kvwarden.layers.numerics import make_ops
+from kvwarden.models.loader import LoadedModel, load
+from kvwarden.models.sources import resolve_model
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """Owns model, cache, scheduler; advances all requests one step at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ops = make_ops(config.numerics)
+        self.loaded: LoadedModel = load(resolve_model(config.model), config.dtype, self.ops, config.max_model_len)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        cache = config.cache
+        per_block = kv_bytes_per_block(self.loaded.model, cache.block_size)
+        self.num_blocks = cache.num_blocks or max(2, cache.memory_bytes // per_block)
+        self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size)
+        self.runner = ModelRunner(self.loaded.model, self.num_blocks, cache.block_size, config.numerics)
+        self.requests: dict[str, Request] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._counter = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, validated against the model.
+
+        Raises:
+            ValueError: naming ``prompt`` for empty prompts, ids outside the
+                vocabulary, or prompts that leave no room to generate.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt: token ids must be integers")
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len is {self.max_model_len})"
+            )
+        blocks = -(-(len(ids) + 1) // self.config.cache.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"prompt: needs {blocks} KV blocks but the cache has {self.num_blocks}")
+        return ids
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` for bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: expected a SamplingParams")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
+        ids = self.tokenize(prompt)
+        request_id = request_id or f"req-{next(self._counter)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(
+            request_id=request_id,
+            all_token_ids=list(ids),
+            cache_salt=cache_salt,
+            skip_prefix_hit=params.prompt_logprobs is not None,
+            prompt_token_ids=list(ids),
+            params=params,
+            seed=seed,
+        )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self.requests[request_id] = req
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return its blocks; ``None`` if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._release(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns outputs of requests that progressed or finished."""
+        sched = self.scheduler.schedule()
+        outputs = [self._finish(req, "length") for req in sched.out_of_memory]
+        if not sched:
+            return outputs
+        step_logits = self.runner.execute(sched, self.kv)
+        self.num_steps += 1
+        completed = self.scheduler.update(sched)
+        self._record_prompt_logprobs(sched, step_logits)
+        for chunk in completed:
+            outputs.append(self._sample(chunk, step_logits))
+        return outputs
+
+    def _sample(self, chunk: ScheduledChunk, step: StepLogits) -> RequestOutput:
+        req = chunk.request
+        row = step.logits[step.sample_rows[req.request_id]]
+        sample = sample_row(row, req.params, req.seed, len(req.output_token_ids))
+        if len(req.output_token_ids) == 0:
+            self.prompt_tokens_total += req.num_prompt_tokens
+        req.append_token(sample.token_id)
+        req.sampled_logprobs.append(sample.logprob)
+        if req.params.logprobs is not None:
+            req.logprobs.append(sample.top)
+        self.generation_tokens_total += 1
+        reason = update_text_and_check_stop(req, self.tokenizer, self.max_model_len)
+        if reason is not None:
+            return self._finish(req, reason)
+        return RequestOutput.of(req, self._prompts.get(req.request_id))
+
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, step: StepLogits) -> None:
+        for chunk in sched.chunks:
+            req = chunk.request
+            entry = step.prompt_rows.get(req.request_id)
+            if entry is None:
+                continue
+            first, rows = entry
+            # Positions recorded before a preemption are recomputed identically; skip them.
+            skip = max(0, len(req.prompt_logprobs) - 1 - first)
+            rows = rows[skip:]
+            if not rows:
+                continue
+            start = first + skip
+            next_tokens = req.prompt_token_ids[start + 1 : start + 1 + len(rows)]
+            k = req.params.prompt_logprobs or 0
+            req.prompt_logprobs.extend(prompt_logprob_rows(step.logits[rows], next_tokens, k))
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        return self._release(req)
+
+    def _release(self, req: Request) -> RequestOutput:
+        out = RequestOutput.of(req, self._prompts.pop(req.request_id, None))
+        del self.requests[req.request_id]
+        return out
+
+    # -------------------------------------------------------------- inspection
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the cache's bookkeeping is inconsistent."""
+        self.kv.check_integrity()
+        for req in self.scheduler.running:
+            assert req.status is Status.RUNNING
+            assert req.request_id in self.kv.req_blocks or req.num_computed_tokens == 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_blocks": self.num_blocks,
+            "free_blocks": self.pool.num_free_blocks,
+            "cached_blocks": self.pool.num_cached_blocks,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "prefix_cache_queries": self.kv.query_tokens,
+            "prefix_cache_hits": self.kv.hit_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "evictions": self.pool.evictions,
+            "steps": self.num_steps,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
+        }

@@ -1,0 +1,74 @@
+"""A request's state while it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvwarden.cache.kv_cache_manager import CacheView
+from kvwarden.engine.sampling_params import SamplingParams
+
+TopLogprobs = list[tuple[int, float]]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request(CacheView):
+    """One generation request.
+
+    NOTE(invariant): ``num_computed_tokens`` catches up with
+    ``len(all_token_ids)``; the step in which they become equal yields logits,
+    and the sampled token is appended (so they differ by one again).
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        params: sampling parameters.
+        seed: the seed actually used (``params.seed`` or a drawn one).
+        output_token_ids: generated tokens so far.
+        logprobs: top-k (token id, logprob) pairs per generated token.
+        prompt_logprobs: per prompt position (``None`` for position 0).
+        num_cached_tokens: prompt tokens served by the prefix cache at first
+            scheduling (``-1`` until scheduled).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
+        stop_reason: the stop string or token id that ended generation.
+    """
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    arrival_index: int = 0
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TopLogprobs] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

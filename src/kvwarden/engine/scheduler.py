@@ -1,0 +1,154 @@
+"""Continuous batching with chunked prefill under a token budget.
+
+One invariant drives everything: each scheduled request computes the next
+``n`` of its tokens, ``num_computed_tokens -> num_computed_tokens + n``, until
+it has computed all of them. Prefill, decode, resumption after preemption and
+prefix hits are all the same move; there is no separate phase.
+
+Order: running requests first (oldest first), then waiting ones (FIFO). When the
+pool runs out, the newest running request is preempted by recompute: its blocks
+are freed and it goes back to the front of the queue, keeping its generated
+tokens (recomputing them gives the same KV bitwise, by the numerics contract).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvwarden.cache.kv_cache_manager import KVCacheManager
+from kvwarden.config import SchedulerConfig
+from kvwarden.engine.chunking import ChunkingRule, make_chunking_rule
+from kvwarden.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at ``start`` are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the request's last token (logits are sampled)."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    out_of_memory: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in the next step."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, block_size: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = block_size
+        self.rule: ChunkingRule = make_chunking_rule(config, block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self.rule.chunk(req, req.num_computed_tokens, min(req.num_tokens_to_compute, budget))
+            if n > 0:
+                fits = self._allocate_or_preempt(req, n, out)
+                if req.status is Status.WAITING:
+                    break  # req itself was preempted: it was the last running request
+                if fits:
+                    out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                    budget -= n
+            i += 1
+        if out.preempted:
+            return out  # memory is tight: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            start = req.num_computed_tokens + num_hit
+            n = self.rule.chunk(req, start, min(req.num_tokens - start, budget))
+            if n <= 0 or self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_query(req.num_tokens, num_hit)
+            req.num_computed_tokens = start
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, start, n))
+            budget -= n
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate for ``req``, preempting the newest running requests as needed.
+
+        Returns False if ``req`` got no slots: it was preempted itself, or it is
+        alone and larger than the whole pool (reported in ``out.out_of_memory``).
+        """
+        while self.kv.allocate_slots(req, n) is None:
+            if self.running[-1] is req and len(self.running) == 1:
+                out.out_of_memory.append(req)
+                return False
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput) -> list[ScheduledChunk]:
+        """Advance computed counts after the step; returns chunks whose logits are sampled."""
+        completed = []
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens = chunk.end
+            self.kv.cache_computed_blocks(req)
+            if chunk.completes:
+                completed.append(chunk)
+        return completed
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove a request (finished or aborted) and return its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,111 @@
+"""``LLM``: the offline Python API (batched ``generate`` over the stepping engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.progress import Progress
+
+from kvwarden.config import CacheConfig, EngineConfig, NumericsConfig, SchedulerConfig
+from kvwarden.engine.llm_engine import LLMEngine, Prompt
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once and generate for batches of prompts.
+
+    Requests in one :meth:`generate` call run concurrently (continuously batched);
+    successive calls share the prefix cache.
+
+    Args:
+        model: a Hugging Face directory, a ``.gguf`` file, ``"smollm2"`` or
+            ``"builtin:<arch>-<preset>"``.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        block_size: tokens per KV block.
+        enable_prefix_caching: reuse full blocks across requests.
+        max_num_batched_tokens: token budget per engine step.
+        max_num_seqs: most concurrent requests.
+        num_blocks / kv_cache_memory: KV pool size (blocks, or bytes to derive it).
+        max_model_len: cap on prompt + output length.
+        numerics: ``"canonical"`` (invariant) or ``"shape-dependent"`` (vendor-style).
+        chunking: ``"kvwarden"`` or a legacy hybrid rule.
+        seed: seeds the per-request seeds of unseeded sampling requests.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 32,
+        num_blocks: int | None = None,
+        kv_cache_memory: int = 512 * 1024 * 1024,
+        max_model_len: int | None = None,
+        numerics: str = "canonical",
+        chunking: str = "kvwarden",
+        num_speculative_tokens: int = 0,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,  # type: ignore[arg-type]
+            max_model_len=max_model_len,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                memory_bytes=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                chunking=chunking,  # type: ignore[arg-type]
+                num_speculative_tokens=num_speculative_tokens,
+            ),
+            numerics=NumericsConfig(mode=numerics),  # type: ignore[arg-type]
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Raises:
+            ValueError: for a bad prompt or parameter; nothing is queued then.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"params: {len(per_prompt)} given for {len(prompts)} prompts")
+        for p in prompts:  # validate all before queueing any
+            self.engine.tokenize(p)
+        ids = [self.engine.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, per_prompt, strict=True)]
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        with Progress(disable=not use_tqdm, transient=True) as progress:
+            task = progress.add_task("generating", total=len(ids))
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        progress.advance(task)
+        return [done[i] for i in ids]

@@ -1,0 +1,151 @@
+"""Load a model and its tokenizer from a Hugging Face directory or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from kvwarden.layers.numerics import Ops
+from kvwarden.models.config import ModelConfig
+from kvwarden.models.llama import LlamaModel
+from kvwarden.models.tokenizer import Tokenizer
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    source: str
+
+
+def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer.
+
+    Args:
+        path: a Hugging Face model directory or a ``.gguf`` file.
+        dtype: ``"float32"`` or ``"bfloat16"`` (weights are converted on load).
+        ops: the numerics every layer computes with.
+        max_model_len: cap on positions (defaults to ``max_position_embeddings``).
+    """
+    path = Path(path)
+    if path.suffix == ".gguf":
+        cfg, tensors, tokenizer = _read_gguf(path)
+    else:
+        cfg = ModelConfig.from_dir(path)
+        tensors = _read_safetensors(path)
+        tokenizer = Tokenizer.from_dir(path, _generation_eos(path) or cfg.eos_token_ids)
+    torch_dtype = TORCH_DTYPES[dtype]
+
+    def get(name: str) -> torch.Tensor | None:
+        t = tensors.get(name)
+        return None if t is None else t.to(torch_dtype).contiguous()
+
+    max_positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    model = LlamaModel(cfg, get, ops, max_positions)
+    return LoadedModel(config=cfg, model=model, tokenizer=tokenizer, source=str(path))
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = model_dir / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: missing weights file")
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _generation_eos(model_dir: Path) -> tuple[int, ...]:
+    file = model_dir / "generation_config.json"
+    if not file.is_file():
+        return ()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Dequantize a llama-architecture GGUF into Hugging Face-named float32 tensors."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: gguf architecture {arch!r} is not supported (llama only)")
+    heads = int(fields["llama.attention.head_count"])
+    kv_heads = int(fields.get("llama.attention.head_count_kv", heads))
+    tokenizer = Tokenizer.from_gguf_fields(fields)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        data = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        name = t.name.removesuffix(".weight")
+        if name == "token_embd":
+            tensors["model.embed_tokens.weight"] = data
+        elif name == "output_norm":
+            tensors["model.norm.weight"] = data
+        elif name == "output":
+            tensors["lm_head.weight"] = data
+        else:
+            _, layer, kind = name.split(".", 2)
+            if kind == "attn_q":
+                data = _unpermute_rope(data, heads)
+            elif kind == "attn_k":
+                data = _unpermute_rope(data, kv_heads)
+            tensors[f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"] = data
+    hidden = int(fields["llama.embedding_length"])
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0]),
+            "hidden_size": hidden,
+            "intermediate_size": int(fields["llama.feed_forward_length"]),
+            "num_hidden_layers": int(fields["llama.block_count"]),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": int(fields.get("llama.rope.dimension_count", hidden // heads)),
+            "rms_norm_eps": float(fields["llama.attention.layer_norm_rms_epsilon"]),
+            "max_position_embeddings": int(fields["llama.context_length"]),
+            "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "lm_head.weight" not in tensors,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": list(tokenizer.eos_token_ids),
+        }
+    )
+    return cfg, tensors, tokenizer
+
+
+def _unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-rope row permutation of q/k projections."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

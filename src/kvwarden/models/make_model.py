@@ -1,0 +1,187 @@
+"""``kvwarden make-model``: seeded random checkpoints in Hugging Face format.
+
+The same (arch, preset, seed) always gives byte-identical files: weights come
+from one seeded ``torch.Generator``, the tokenizer from a deterministic BPE
+training run on text shipped in the package, JSON is written with sorted keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from kvwarden.models.bundled import corpus_text
+
+ARCHS = ("llama", "qwen3")
+PRESETS = ("tiny", "small")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+# Tiny presets run a whole test in milliseconds; small ones are the benchmark size.
+# Qwen3 presets use a head_dim different from hidden/heads and tied embeddings,
+# Llama presets untied embeddings, so the presets between them cover both cases.
+PRESET_TABLE: dict[tuple[str, str], Preset] = {
+    ("llama", "tiny"): Preset(1024, 64, 128, 2, 4, 2, 16, 4096, False),
+    ("llama", "small"): Preset(2048, 256, 768, 4, 8, 4, 32, 4096, False),
+    ("qwen3", "tiny"): Preset(1024, 64, 128, 2, 4, 1, 32, 4096, True),
+    ("qwen3", "small"): Preset(2048, 256, 768, 4, 8, 2, 64, 4096, True),
+}
+
+
+def train_tokenizer(vocab_size: int) -> Backend:
+    """Byte-level BPE trained on the bundled corpus (deterministic)."""
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = corpus_text().splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+    return tok
+
+
+def hf_config(arch: str, p: Preset, vocab_size: int, eos_id: int, bos_id: int) -> dict[str, Any]:
+    """A ``config.json`` that both kvwarden and transformers load."""
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "initializer_range": 0.02,
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+        cfg["pretraining_tp"] = 1
+    else:
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+        cfg["max_window_layers"] = p.num_hidden_layers
+        cfg["layer_types"] = ["full_attention"] * p.num_hidden_layers
+    return cfg
+
+
+def random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights, scaled so activations stay O(1) and logits are peaked enough to read."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads, head_dim = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def norm_weight(n: int) -> torch.Tensor:
+        return 1.0 + normal(n, std=0.1)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(cfg["vocab_size"], hidden, std=1.0)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = norm_weight(hidden)
+        w[f"{p}.post_attention_layernorm.weight"] = norm_weight(hidden)
+        w[f"{p}.self_attn.q_proj.weight"] = normal(heads * head_dim, hidden, std=hidden**-0.5)
+        w[f"{p}.self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden, std=hidden**-0.5)
+        w[f"{p}.self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden, std=hidden**-0.5)
+        w[f"{p}.self_attn.o_proj.weight"] = normal(hidden, heads * head_dim, std=(heads * head_dim) ** -0.5)
+        if cfg["model_type"] == "qwen3":
+            w[f"{p}.self_attn.q_norm.weight"] = norm_weight(head_dim)
+            w[f"{p}.self_attn.k_norm.weight"] = norm_weight(head_dim)
+        w[f"{p}.mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden**-0.5)
+        w[f"{p}.mlp.up_proj.weight"] = normal(inter, hidden, std=hidden**-0.5)
+        w[f"{p}.mlp.down_proj.weight"] = normal(hidden, inter, std=inter**-0.5)
+    w["model.norm.weight"] = norm_weight(hidden)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(cfg["vocab_size"], hidden, std=2.0 * hidden**-0.5)
+    return w
+
+
+def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
+    """Write a seeded random checkpoint to ``out`` and return the directory.
+
+    Raises:
+        ValueError: unknown ``arch`` or ``preset``.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"--arch: unknown architecture {arch!r}; expected one of {ARCHS}")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {preset!r}; expected one of {PRESETS}")
+    p = PRESET_TABLE[(arch, preset)]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(p.vocab_size)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    eos = tok.token_to_id("<|im_end|>")
+    bos = tok.token_to_id("<|endoftext|>")
+    cfg = hf_config(arch, p, vocab, eos, bos)
+    save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, bos]})
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "add_bos_token": False,
+            "model_max_length": p.max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    return out
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,1 @@
+"""kvwarden.probe"""
