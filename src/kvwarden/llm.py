@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from rich.progress import Progress
 
 from kvwarden.config import CacheConfig, EngineConfig, NumericsConfig, SchedulerConfig
@@ -109,3 +110,16 @@ class LLM:
                         done[out.request_id] = out
                         progress.advance(task)
         return [done[i] for i in ids]
+
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        """Float32 logits ``[len(prompt), vocab]`` at every prompt position.
+
+        Computed through the normal engine path (chunked under the token budget,
+        batched with whatever else is queued), never from the prefix cache.
+        """
+        rid = self.engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), capture_logits=True)
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid and out.finished:
+                    assert out.prompt_logits is not None
+                    return out.prompt_logits

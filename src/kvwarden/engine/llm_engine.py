@@ -96,8 +96,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        capture_logits: bool = False,
     ) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` for bad input."""
+        """Queue a request; returns its id. Raises ``ValueError`` for bad input.
+
+        ``capture_logits`` returns the float32 logits of every prompt position in
+        the output (see :meth:`kvwarden.LLM.score`); like prompt logprobs it
+        disables prefix hits for the request, as cached positions have no logits.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: expected a SamplingParams")
@@ -112,10 +118,11 @@ class LLMEngine:
             request_id=request_id,
             all_token_ids=list(ids),
             cache_salt=cache_salt,
-            skip_prefix_hit=params.prompt_logprobs is not None,
+            skip_prefix_hit=params.prompt_logprobs is not None or capture_logits,
             prompt_token_ids=list(ids),
             params=params,
             seed=seed,
+            capture_logits=capture_logits,
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -145,7 +152,7 @@ class LLMEngine:
         step_logits = self.runner.execute(sched, self.kv)
         self.num_steps += 1
         completed = self.scheduler.update(sched)
-        self._record_prompt_logprobs(sched, step_logits)
+        self._record_prompt_scores(sched, step_logits)
         for chunk in completed:
             outputs.append(self._sample(chunk, step_logits))
         return outputs
@@ -166,22 +173,28 @@ class LLMEngine:
             return self._finish(req, reason)
         return RequestOutput.of(req, self._prompts.get(req.request_id))
 
-    def _record_prompt_logprobs(self, sched: SchedulerOutput, step: StepLogits) -> None:
+    def _record_prompt_scores(self, sched: SchedulerOutput, step: StepLogits) -> None:
         for chunk in sched.chunks:
             req = chunk.request
             entry = step.prompt_rows.get(req.request_id)
             if entry is None:
                 continue
             first, rows = entry
-            # Positions recorded before a preemption are recomputed identically; skip them.
-            skip = max(0, len(req.prompt_logprobs) - 1 - first)
-            rows = rows[skip:]
-            if not rows:
+            if req.capture_logits:
+                # Positions recorded before a preemption are recomputed identically; skip them.
+                have = len(req.prompt_logits)
+                req.prompt_logits.extend(step.logits[r].clone() for r in rows[max(0, have - first) :])
+            k = req.params.prompt_logprobs
+            if k is None:
                 continue
-            start = first + skip
-            next_tokens = req.prompt_token_ids[start + 1 : start + 1 + len(rows)]
-            k = req.params.prompt_logprobs or 0
-            req.prompt_logprobs.extend(prompt_logprob_rows(step.logits[rows], next_tokens, k))
+            # prompt_logprobs[j] scores token j (entry 0 is None), from the row of position j-1.
+            usable = rows[: max(0, req.num_prompt_tokens - 1 - first)]
+            skip = max(0, len(req.prompt_logprobs) - 1 - first)
+            usable = usable[skip:]
+            if usable:
+                start = first + skip
+                next_tokens = req.prompt_token_ids[start + 1 : start + 1 + len(usable)]
+                req.prompt_logprobs.extend(prompt_logprob_rows(step.logits[usable], next_tokens, k))
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(req, reason)

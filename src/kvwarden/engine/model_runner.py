@@ -25,8 +25,8 @@ class StepLogits:
     Attributes:
         logits: ``[rows, vocab]`` float32.
         sample_rows: request id -> row whose logits give its next token.
-        prompt_rows: request id -> (first prompt position scored, rows) for
-            requests that asked for prompt logprobs.
+        prompt_rows: request id -> (first prompt position, logits rows) for
+            requests that want scores of their prompt positions.
     """
 
     logits: torch.Tensor
@@ -73,12 +73,11 @@ class ModelRunner:
             slots = self._slots(kv.block_ids(req.request_id), chunk.end)
             slot_list.append(slots[chunk.start : chunk.end])
             seqs.append(SeqAttn(row0, chunk.num_tokens, chunk.start, slots))
-            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
-                # Row j scores token j+1; only prompt tokens (not the first sampled one).
-                last = min(chunk.end, req.num_prompt_tokens - 1)
-                rows = list(range(len(want_rows), len(want_rows) + last - chunk.start))
-                want_rows.extend(range(row0, row0 + last - chunk.start))
-                prompt_rows[req.request_id] = (chunk.start, rows)
+            scored = min(chunk.end, req.num_prompt_tokens) - chunk.start
+            if req.wants_prompt_scores and scored > 0:
+                # Row of position j holds the distribution of token j+1.
+                prompt_rows[req.request_id] = (chunk.start, list(range(len(want_rows), len(want_rows) + scored)))
+                want_rows.extend(range(row0, row0 + scored))
             if chunk.completes:
                 sample_rows[req.request_id] = len(want_rows)
                 want_rows.append(row0 + chunk.num_tokens - 1)

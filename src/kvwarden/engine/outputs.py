@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvwarden.engine.request import Request, TopLogprobs
 
 
@@ -23,6 +25,7 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
         stop_reason: the stop string or token id that ended the request.
+        prompt_logits: ``[prompt_len, vocab]`` float32 logits when captured.
     """
 
     request_id: str
@@ -37,6 +40,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     prompt: str | None = field(default=None, repr=False)
+    prompt_logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -58,4 +62,5 @@ class RequestOutput:
             stop_reason=req.stop_reason,
             num_preemptions=req.num_preemptions,
             prompt=prompt,
+            prompt_logits=torch.stack(req.prompt_logits) if req.capture_logits and req.prompt_logits else None,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from kvwarden.cache.kv_cache_manager import CacheView
 from kvwarden.engine.sampling_params import SamplingParams
 
@@ -36,6 +38,8 @@ class Request(CacheView):
             scheduling (``-1`` until scheduled).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
         stop_reason: the stop string or token id that ended generation.
+        capture_logits: keep the float32 logits of every prompt position in
+            ``prompt_logits`` (for :meth:`kvwarden.LLM.score` and the tools).
     """
 
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -52,6 +56,8 @@ class Request(CacheView):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    capture_logits: bool = False
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +70,10 @@ class Request(CacheView):
     @property
     def num_tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        return self.params.prompt_logprobs is not None or self.capture_logits
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,110 @@
+"""Sampler: greedy, seeded sampling, top-k/top-p, logprob lists, stops, prompt logprobs."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvwarden import LLM, SamplingParams
+from kvwarden.engine.sampler import top_logprobs
+from util import exact, random_tokens
+
+
+@pytest.fixture(scope="module")
+def llm(llama_tiny: Path) -> LLM:
+    return LLM(str(llama_tiny))
+
+
+PROMPT = list(range(40, 90))
+
+
+def test_top_logprobs_descending_with_ties_broken_by_token_id() -> None:
+    row = torch.tensor([-2.0, -1.0, -3.0, -1.0, -0.5, -1.0])
+    _, top = top_logprobs(row, 5)
+    assert top == [(4, -0.5), (1, -1.0), (3, -1.0), (5, -1.0), (0, -2.0)]
+
+
+def test_greedy_lists_are_consistent(llm: LLM) -> None:
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, logprobs=20, ignore_eos=True))[0]
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    for token, top, lp in zip(out.token_ids, out.logprobs, out.sampled_logprobs, strict=True):
+        assert len(top) == 20
+        assert top[0] == (token, lp)
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        assert math.fsum(math.exp(v) for v in values) <= 1.0 + 1e-6
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm: LLM) -> None:
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True, logprobs=2) for s in (1, 1, 2)]
+    a, b, c = llm.generate([PROMPT] * 3, params)
+    assert a.token_ids == b.token_ids and exact(a.logprobs) == exact(b.logprobs)
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    k1 = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=10, ignore_eos=True))[0]
+    p0 = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=10, ignore_eos=True))[0]
+    assert k1.token_ids == greedy.token_ids == p0.token_ids
+
+
+def test_sampling_frequencies_follow_the_distribution(llm: LLM) -> None:
+    n = 400
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=1, logprobs=3) for s in range(n)]
+    outs = llm.generate([PROMPT] * n, params)
+    top = outs[0].logprobs[0]
+    counts = Counter(o.token_ids[0] for o in outs)
+    for token, lp in top:
+        p = math.exp(lp)
+        sigma = math.sqrt(p * (1 - p) / n)
+        assert abs(counts[token] / n - p) < 5 * sigma + 1e-3, (token, counts[token], p)
+
+
+def test_top_k_restricts_the_support(llm: LLM) -> None:
+    params = [SamplingParams(temperature=2.0, top_k=3, seed=s, max_tokens=1, logprobs=3) for s in range(60)]
+    outs = llm.generate([PROMPT] * 60, params)
+    allowed = {t for t, _ in outs[0].logprobs[0]}
+    assert {o.token_ids[0] for o in outs} <= allowed
+
+
+def test_stop_strings_stop_token_ids_and_length(llm: LLM) -> None:
+    base = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 16
+    stop_id = base.token_ids[4]
+    by_id = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]))[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+    assert by_id.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop], ignore_eos=True))[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == text[: text.find(stop)]
+        keep = SamplingParams(
+            temperature=0.0, max_tokens=16, stop=[stop], ignore_eos=True, include_stop_str_in_output=True
+        )
+        assert llm.generate([PROMPT], keep)[0].text == text[: text.find(stop) + len(stop)]
+
+
+def test_prompt_logprobs_match_full_forward_and_any_chunking(llama_tiny: Path) -> None:
+    rng = random.Random(1)
+    prompt = random_tokens(rng, 70, 1000)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5)
+    whole = LLM(str(llama_tiny))
+    logits = whole.score(prompt)
+    ref = whole.generate([prompt], params)[0]
+    assert ref.prompt_logprobs[0] is None and len(ref.prompt_logprobs) == len(prompt)
+    lp = torch.log_softmax(logits, dim=-1)
+    for j in range(1, len(prompt)):
+        entry = dict(ref.prompt_logprobs[j])
+        assert entry[prompt[j]] == lp[j - 1, prompt[j]].item()
+    chunked = LLM(str(llama_tiny), max_num_batched_tokens=16, block_size=4).generate([prompt], params)[0]
+    assert exact(chunked.prompt_logprobs[1:]) == exact(ref.prompt_logprobs[1:])
+    # prompt logprobs need every position: no prefix hit even when the cache is warm
+    assert whole.generate([prompt], params)[0].num_cached_tokens == 0
