@@ -25,8 +25,8 @@ PROMPT = list(range(40, 90))
 
 def test_top_logprobs_descending_with_ties_broken_by_token_id() -> None:
     row = torch.tensor([-2.0, -1.0, -3.0, -1.0, -0.5, -1.0])
-    _, top = top_logprobs(row, 5)
-    assert top == [(4, -0.5), (1, -1.0), (3, -1.0), (5, -1.0), (0, -2.0)]
+    assert top_logprobs(row, 5) == [(4, -0.5), (1, -1.0), (3, -1.0), (5, -1.0), (0, -2.0)]
+    assert top_logprobs(row, 2) == [(4, -0.5), (1, -1.0)]  # a tie at the boundary keeps the lower id
 
 
 def test_greedy_lists_are_consistent(llm: LLM) -> None:

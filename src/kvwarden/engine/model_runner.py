@@ -1,8 +1,9 @@
 """Turns a scheduled step into tensors, runs the model, returns logits rows.
 
 Owns the KV tensors: per attention layer a flat ``[num_blocks * block_size + 1,
-kv_heads, head_dim]`` K and V. The extra last slot stays zero forever; the
-canonical attention kernel points every key past a request's context at it.
+kv_heads, head_dim]`` K and a V with one extra column of ones. The extra last
+slot stays zero forever; the canonical attention kernel points every key past a
+request's context at it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class StepLogits:
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     heads, dim = model.kv_shape()
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * model.num_attention_layers * block_size * heads * dim * elem
+    return model.num_attention_layers * block_size * heads * (2 * dim + 1) * elem
 
 
 class ModelRunner:
@@ -48,11 +49,10 @@ class ModelRunner:
         heads, dim = model.kv_shape()
         self.null_slot = num_blocks * block_size
         slots = self.null_slot + 1
+        # V carries a ones column so the attention kernel gets softmax row sums from
+        # the same fixed-shape product as the numerator; the null slot stays all zero.
         self.kv_caches = [
-            (
-                torch.zeros(slots, heads, dim, dtype=model.dtype),
-                torch.zeros(slots, heads, dim, dtype=model.dtype),
-            )
+            (torch.zeros(slots, heads, dim, dtype=model.dtype), torch.zeros(slots, heads, dim + 1, dtype=model.dtype))
             for _ in range(model.num_attention_layers)
         ]
 

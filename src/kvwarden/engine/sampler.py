@@ -29,25 +29,28 @@ class Sample:
     top: TopLogprobs
 
 
-def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, TopLogprobs]:
-    """Stable descending order of one row and its first ``k`` (id, logprob) pairs.
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` largest (id, logprob) pairs of one row, descending, ties by token id.
 
-    Ties are broken by token id (``stable=True`` keeps the lower id first).
+    Exact without sorting the vocabulary: every id whose value reaches the k-th
+    largest value is a candidate (all ties included), and the candidates are
+    sorted stably by value, so equal values keep ascending ids.
     """
-    values, ids = torch.sort(logprobs, descending=True, stable=True)
-    return ids, list(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
+    kk = max(k, 1)
+    threshold = torch.topk(logprobs, kk).values[-1]
+    candidates = torch.nonzero(logprobs >= threshold).view(-1)  # ascending ids
+    order = torch.sort(logprobs[candidates], descending=True, stable=True).indices
+    ids = candidates[order][:kk]
+    return list(zip(ids.tolist(), logprobs[ids].tolist(), strict=True))
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> Sample:
     """Choose the next token from one row of float32 logits ``[vocab]``."""
     row = logits.view(1, -1)
     logprobs = torch.log_softmax(row, dim=-1)[0]
-    order, top = top_logprobs(logprobs, params.logprobs or 0)
-    if params.greedy:
-        token = int(order[0])
-    else:
-        token = _draw(row[0], order, params, seed, step)
-    return Sample(token_id=token, logprob=float(logprobs[token]), top=top)
+    top = top_logprobs(logprobs, params.logprobs or 0)
+    token = top[0][0] if params.greedy else _draw(row[0], params, seed, step)
+    return Sample(token_id=token, logprob=float(logprobs[token]), top=top[: params.logprobs or 0])
 
 
 def prompt_logprob_rows(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TopLogprobs]:
@@ -55,19 +58,21 @@ def prompt_logprob_rows(logits: torch.Tensor, next_tokens: list[int], k: int) ->
     out = []
     for i, token in enumerate(next_tokens):
         logprobs = torch.log_softmax(logits[i].view(1, -1), dim=-1)[0]
-        _, top = top_logprobs(logprobs, k)
+        top = top_logprobs(logprobs, k)[:k]
         if all(t != token for t, _ in top):
             top.append((token, float(logprobs[token])))
         out.append(top)
     return out
 
 
-def _draw(logits: torch.Tensor, order: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
+def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
     scaled = logits / params.temperature
     keep = torch.ones_like(scaled, dtype=torch.bool)
-    if params.top_k > 0 and params.top_k < scaled.numel():
+    needs_order = (0 < params.top_k < scaled.numel()) or params.top_p < 1.0
+    order = torch.sort(scaled, descending=True, stable=True).indices if needs_order else None
+    if order is not None and 0 < params.top_k < scaled.numel():
         keep[order[params.top_k :]] = False
-    if params.top_p < 1.0:
+    if order is not None and params.top_p < 1.0:
         sorted_probs = torch.softmax(scaled[order].view(1, -1), dim=-1)[0]
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = torch.cumsum(sorted_probs, dim=0) - sorted_probs

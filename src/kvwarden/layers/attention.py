@@ -7,19 +7,23 @@ a function of its absolute position and the keys' contents only):
   (tile ``p // Tq``, slot ``p % Tq``); keys into tiles of ``Tk`` aligned to
   position 0. A (query, key) pair therefore always sits at the same slot of a
   fixed-shape ``(Tq x D) @ (D x Tk)`` product, however the request was chunked.
-* ``bmm`` of one fixed per-matrix shape returns the same bits for a matrix
-  whatever the batch count (measured; ``tests/test_numerics_assumptions.py``
-  keeps checking it), so tiles from many requests share one call.
+* GQA: the ``rep`` query heads sharing a kv head become ``rep * Tq`` rows of
+  one product, so K and V are never copied per query head.
+* ``q . k`` is one ``(rep*Tq x D) @ (D x N)`` product per (query tile, kv head),
+  ``N`` = keys of the group. Rows and inner size are fixed; a GEMM does not
+  reduce across columns, so ``N`` cannot change a score (measured for every
+  head_dim, and ``bmm`` does not depend on its batch count either;
+  ``tests/test_numerics.py`` keeps checking both).
 * The softmax max is an exact ``amax`` over all valid keys (order-free).
-* ``P @ [V | 1]`` per tile gives both the numerator and the row sum in one
-  fixed-shape product; tiles are folded in key order by ``cumsum`` (a
-  sequential float64 fold), so trailing fully-masked tiles add exact zeros and
-  change nothing.
+* ``P @ [V | 1]`` per key tile gives the numerator and the row sum in one
+  fixed-shape ``(rep*Tq x Tk) @ (Tk x D+1)`` product; tiles are summed in a
+  pairwise tree fixed by tile index, so trailing fully-masked tiles add exact
+  zeros and change nothing.
 * Keys past the context read a dedicated all-zero slot, so masked products are
   ``0 * finite`` and never NaN.
 
-Cost: queries are padded to ``Tq`` (decode wastes Tq-1 rows of the score
-product) and key tiles up to the longest item in a group are computed.
+Cost: queries are padded to ``Tq`` (decode wastes Tq-1 of every Tq rows of the
+score product) and key tiles up to the longest item in a group are computed.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class TileGroup:
 
     q_rows: torch.Tensor  # [G, Tq] row in the batch, or -1 for a padding slot
     k_slots: torch.Tensor  # [G, nk * Tk] cache slot per key (null slot past the context)
-    mask: torch.Tensor  # [G, 1, nk, Tq, Tk] True where the key is visible to the query
+    mask: torch.Tensor  # [G, 1, 1, Tq, nk * Tk] True where the key is visible to the query
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def _make_group(
         k_pos[i, :n] = torch.arange(n)
     q_pos = torch.stack([qpos for _, _, qpos in items])
     # visible: key position <= query position, for real queries only
-    visible = k_pos.view(g, 1, nk, 1, k_tile) <= q_pos.view(g, 1, 1, q_tile, 1)
+    visible = k_pos.view(g, 1, 1, 1, nk * k_tile) <= q_pos.view(g, 1, 1, q_tile, 1)
     visible &= (q_pos >= 0).view(g, 1, 1, q_tile, 1)
     return TileGroup(q_rows=q_rows, k_slots=k_slots, mask=visible)
 
@@ -147,7 +151,8 @@ def canonical_attention(
 
     Args:
         q: ``[rows, Hq, D]`` queries (rope applied).
-        k_cache, v_cache: ``[slots + 1, Hkv, D]`` flat caches; the last slot is all zeros.
+        k_cache: ``[slots + 1, Hkv, D]`` flat cache; the last slot is all zeros.
+        v_cache: ``[slots + 1, Hkv, D + 1]``: V plus a ones column (zero in the last slot).
         plan: the step's tiling.
         scale: softmax scale applied to ``q . k``.
         exp: a callable computing ``exp`` element-wise (the numerics' pointwise exp).
@@ -157,28 +162,50 @@ def canonical_attention(
     rows, hq, d = q.shape
     hkv = k_cache.shape[1]
     rep = hq // hkv
+    m = rep * q_tile  # GEMM rows per (query tile, kv head): the GQA group's queries
     out = q.new_zeros((rows + 1, hq, d))
     q_padded = torch.cat([q, q.new_zeros((1, hq, d))])  # row -1 reads zeros
     for group in plan.groups:
         g = group.q_rows.shape[0]
-        nk = group.k_slots.shape[1] // k_tile
-        qg = q_padded[group.q_rows].float().permute(0, 2, 1, 3).reshape(g, hq, 1, q_tile, d)
-        kg = _expand_heads(k_cache[group.k_slots].float(), rep).view(g, nk, k_tile, hq, d)
-        vg = _expand_heads(v_cache[group.k_slots].float(), rep).view(g, nk, k_tile, hq, d)
-        k_t = kg.permute(0, 3, 1, 4, 2).contiguous()  # [g, hq, nk, d, Tk]
-        scores = torch.matmul(qg.expand(g, hq, nk, q_tile, d).contiguous(), k_t) * scale
+        n = group.k_slots.shape[1]
+        nk = n // k_tile
+        # [g, Tq, hkv, rep, d] -> [g*hkv, rep*Tq, d]
+        qg = q_padded[group.q_rows].float().view(g, q_tile, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(g * hkv, m, d)
+        kg = k_cache[group.k_slots].float().permute(0, 2, 3, 1).reshape(g * hkv, d, n)
+        # NOTE(invariance): one product per (tile, head) with fixed rows m and inner
+        # size d; only the column count n varies, and a GEMM never reduces across
+        # columns (checked for every head_dim in tests/test_numerics.py).
+        scores = torch.bmm(qg, kg).view(g, hkv, rep, q_tile, n) * scale
         scores = scores.masked_fill(~group.mask, float("-inf"))
-        row_max = scores.amax(dim=(2, 4), keepdim=True)
-        probs = exp(scores - row_max)  # masked: exp(-inf) = 0
-        ones = vg.new_ones((g, nk, k_tile, hq, 1))
-        v_aug = torch.cat([vg, ones], dim=-1).permute(0, 3, 1, 2, 4).contiguous()  # [g, hq, nk, Tk, d+1]
-        partial = torch.matmul(probs, v_aug)  # [g, hq, nk, Tq, d+1]
-        total = torch.cumsum(partial, dim=2)[:, :, -1]  # sequential fold in key order
-        o = (total[..., :d] / total[..., d:]).to(q.dtype)  # [g, hq, Tq, d]
+        probs = exp(scores - scores.amax(dim=-1, keepdim=True))  # masked: exp(-inf) = 0
+        probs = probs.view(g * hkv, m, nk, k_tile).transpose(1, 2).contiguous()  # [g*hkv, nk, m, Tk]
+        # The V cache carries a ones column (see ModelRunner): P @ [V | 1] -> numerator and row sum.
+        v_aug = v_cache[group.k_slots].float()
+        v_aug = v_aug.view(g, nk, k_tile, hkv, d + 1).permute(0, 3, 1, 2, 4).reshape(g * hkv, nk, k_tile, d + 1)
+        partial = torch.matmul(probs, v_aug)  # fixed [m, Tk] @ [Tk, d+1] per tile
+        total = _tree_fold(partial)  # [g*hkv, m, d+1]
+        o = (total[..., :d] / total[..., d:]).view(g, hkv, rep, q_tile, d)
+        o = o.permute(0, 3, 1, 2, 4).reshape(g * q_tile, hq, d).to(q.dtype)
         flat_rows = group.q_rows.reshape(-1)
-        flat_rows = torch.where(flat_rows < 0, rows, flat_rows)
-        out[flat_rows] = o.permute(0, 2, 1, 3).reshape(g * q_tile, hq, d)
+        out[torch.where(flat_rows < 0, rows, flat_rows)] = o
     return out[:rows]
+
+
+def _tree_fold(partial: torch.Tensor) -> torch.Tensor:
+    """Sum ``partial[:, t]`` over key tiles ``t`` in a pairwise tree fixed by tile index.
+
+    NOTE(invariance): level by level, tiles (0,1), (2,3), ... are added; an odd
+    last tile moves up unchanged (the same as adding a zero tile). Tile t always
+    sits at the same leaf and tiles past a query's context hold exact zeros, so
+    computing more tiles only adds ``+ 0``: the sum does not depend on how many
+    tiles the group happened to compute.
+    """
+    x = partial
+    while x.shape[1] > 1:
+        n = x.shape[1]
+        pairs = x[:, 0 : n - 1 : 2] + x[:, 1:n:2]
+        x = torch.cat([pairs, x[:, n - 1 :]], dim=1) if n % 2 else pairs
+    return x[:, 0]
 
 
 def _expand_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -199,7 +226,7 @@ def shape_dependent_attention(
     for seq in plan.seqs:
         ctx = seq.start_pos + seq.num_queries
         k = _expand_heads(k_cache[seq.slots[:ctx]], rep).transpose(0, 1)
-        v = _expand_heads(v_cache[seq.slots[:ctx]], rep).transpose(0, 1)
+        v = _expand_heads(v_cache[seq.slots[:ctx], :, :d], rep).transpose(0, 1)
         qs = q[seq.row_start : seq.row_start + seq.num_queries].transpose(0, 1)
         qpos = torch.arange(seq.start_pos, ctx).view(-1, 1)
         mask = torch.arange(ctx).view(1, -1) <= qpos

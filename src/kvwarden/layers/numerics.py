@@ -114,21 +114,25 @@ class CanonicalOps(Ops):
 
 
 def _tiled_rows(fn: RowFn, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """Run ``fn`` on consecutive ``[tile, ...]`` slices of ``x`` (zero padded)."""
+    """Run ``fn`` on consecutive ``[tile, ...]`` slices of ``x``; the last one zero padded."""
+    x = x.contiguous()
     rows = x.shape[0]
-    padded = -(-rows // tile) * tile
-    if padded != rows:
-        x = torch.cat([x, x.new_zeros((padded - rows, *x.shape[1:]))])
-    else:
-        x = x.contiguous()
-    first = fn(x[:tile])
-    if padded == tile:
-        return first[:rows]
-    out = first.new_empty((padded, *first.shape[1:]))
-    out[:tile] = first
-    for start in range(tile, padded, tile):
-        out[start : start + tile] = fn(x[start : start + tile])
-    return out[:rows]
+    full = rows - rows % tile
+    out: torch.Tensor | None = None
+    for start in range(0, full, tile):
+        part = fn(x[start : start + tile])
+        if out is None:
+            out = part.new_empty((rows, *part.shape[1:]))
+        out[start : start + tile] = part
+    if full < rows:
+        last = x.new_zeros((tile, *x.shape[1:]))
+        last[: rows - full] = x[full:]
+        part = fn(last)
+        if out is None:
+            out = part.new_empty((rows, *part.shape[1:]))
+        out[full:] = part[: rows - full]
+    assert out is not None, "no rows"
+    return out
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

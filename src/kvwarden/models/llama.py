@@ -63,7 +63,9 @@ class AttentionBlock:
         k = self.rope.apply(k, batch.positions)
         k_cache, v_cache = kv
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        v_cache.index_copy_(
+            0, batch.slot_mapping, torch.cat([v, v.new_ones((rows, v.shape[1], 1))], -1).to(v_cache.dtype)
+        )
         if ops.name == "canonical":
             nc = ops.config
             o = canonical_attention(q, k_cache, v_cache, batch.plan, self.scale, ops.exp, nc.row_tile, nc.key_tile)

@@ -1,0 +1,183 @@
+"""Offline throughput: kvwarden (canonical and shape-dependent numerics) vs transformers.
+
+nano-vllm's benchmark shape scaled for a 2-core CPU: N requests of random token
+ids, input lengths uniform in [min_input, max_input], output lengths uniform in
+[min_output, max_output], sampling at temperature 0.6 with ignore_eos, fixed
+seed. transformers runs the same requests with batched ``generate`` (left
+padding, batches of --hf-batch, each batch generating up to its longest
+request); only requested tokens count as output.
+
+Prints a table and ends with one JSON line.
+
+    python bench/offline.py                       # full run (both models, ~30 min)
+    python bench/offline.py --quick               # smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Result:
+    model: str
+    engine: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.seconds
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    out = []
+    for _ in range(args.num_requests):
+        n_in = rng.randint(args.min_input, args.max_input)
+        n_out = rng.randint(args.min_output, args.max_output)
+        out.append(([rng.randrange(3, vocab) for _ in range(n_in)], n_out))
+    return out
+
+
+def run_kvwarden(model: str, reqs: list[tuple[list[int], int]], numerics: str, args: argparse.Namespace) -> Result:
+    from kvwarden import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        numerics=numerics,
+        max_model_len=args.max_input + args.max_output + 8,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    params = [SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True) for i, (_, n) in enumerate(reqs)]
+    llm.generate([reqs[0][0]], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in outs)
+    return Result(model, f"kvwarden ({numerics})", len(reqs), sum(len(p) for p, _ in reqs), produced, seconds)
+
+
+def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argparse.Namespace) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    from kvwarden.models.sources import resolve_model
+
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf.eval()
+    pad = 0
+    start = time.perf_counter()
+    produced = 0
+    for b in range(0, len(reqs), args.hf_batch):
+        batch = reqs[b : b + args.hf_batch]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(batch):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        max_new = max(n for _, n in batch)
+        with torch.no_grad():
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=True,
+                temperature=0.6,
+                top_k=0,
+                pad_token_id=pad,
+            )
+        produced += sum(n for _, n in batch)
+    seconds = time.perf_counter() - start
+    return Result(model, "transformers generate", len(reqs), sum(len(p) for p, _ in reqs), produced, seconds)
+
+
+def vocab_size(model: str) -> int:
+    from kvwarden.models.sources import resolve_model
+
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        return 49152
+    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+def print_table(results: list[Result]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="offline throughput (CPU)")
+    for col in ("model", "engine", "requests", "input tok", "output tok", "seconds", "output tok/s", "total tok/s"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r.model,
+            r.engine,
+            str(r.requests),
+            str(r.input_tokens),
+            str(r.output_tokens),
+            f"{r.seconds:.1f}",
+            f"{r.output_tok_s:.1f}",
+            f"{r.total_tok_s:.1f}",
+        )
+    Console(file=sys.stderr, width=160).print(table)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["builtin:llama-small", "smollm2"])
+    p.add_argument("--engines", nargs="+", default=["canonical", "shape-dependent", "transformers"])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-input", type=int, default=64)
+    p.add_argument("--max-input", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=32)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--hf-batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny workload to check the script runs")
+    args = p.parse_args()
+    if args.quick:
+        args.num_requests, args.max_input, args.min_input = 4, 48, 16
+        args.min_output, args.max_output, args.hf_batch = 4, 8, 2
+    results: list[Result] = []
+    for model in args.models:
+        reqs = workload(args, vocab_size(model))
+        for engine in args.engines:
+            print(f"[{model}] {engine} ...", file=sys.stderr, flush=True)
+            if engine == "transformers":
+                results.append(run_transformers(model, reqs, args))
+            else:
+                results.append(run_kvwarden(model, reqs, engine, args))
+    print_table(results)
+    summary = {
+        "benchmark": "offline",
+        "workload": {
+            k: getattr(args, k) for k in ("num_requests", "min_input", "max_input", "min_output", "max_output", "seed")
+        },
+        "results": [{**asdict(r), "output_tok_s": round(r.output_tok_s, 2)} for r in results],
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The FastAPI application: routes, auth, body limits and OpenAI-style errors.
+
+Every failure a client can cause is answered as
+``{"error": {"message", "type", "param", "code"}}`` with a fitting status:
+400 bad values or malformed JSON, 401 missing/wrong API key, 404 unknown model
+or path, 413 oversized body, 422 wrong types or missing fields, 503 when the
+queue is full. None of them touches the engine's state.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvwarden.server.async_engine import AsyncEngine
+from kvwarden.server.chat import ChatCompletions
+from kvwarden.server.completions import Completions
+from kvwarden.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings (the engine has its own :class:`kvwarden.config.EngineConfig`)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class BodyLimit:
+    """Reject request bodies above ``limit`` bytes with 413 before anyone parses them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = ApiError(413, f"request body exceeds {self.limit} bytes", None, "request_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await error_response(too_big)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await error_response(too_big)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+# Pydantic error types that mean "right type, value out of range": answered 400 like
+# other invalid values; everything else (wrong type, missing field) is 422.
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of"}
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    raw = first.get("input")
+    if first.get("type") == "json_invalid" or (not loc and isinstance(raw, (bytes, str)) and not _is_json(raw)):
+        detail = first.get("ctx", {}).get("error", "the body is not valid JSON")
+        return ApiError(400, f"malformed JSON body: {detail}", None, "invalid_json")
+    param = ".".join(loc) or None
+    message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more)"
+    if first.get("type") in _RANGE_ERRORS:
+        return ApiError(400, message, param, "invalid_value")
+    return ApiError(422, message, param, "invalid_type")
+
+
+def _is_json(raw: bytes | str) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
+    """The ASGI app for one engine."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        engine.metrics.observe_engine(engine.engine)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="kvwarden", version="0.1.0", lifespan=lifespan)
+    completions = Completions(engine, config.model_name)
+    chat = ChatCompletions(engine, config.model_name)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, str(exc.detail), None, code))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if config.api_key and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+                return error_response(
+                    ApiError(401, "missing or invalid API key", None, "invalid_api_key", "authentication_error")
+                )
+        return await call_next(request)
+
+    def check_model(name: str) -> None:
+        if name != config.model_name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist (this server serves `{config.model_name}`).",
+                "model",
+                "model_not_found",
+            )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return error_response(ApiError(503, f"engine is down: {engine.error}", None, "engine_dead"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvwarden",
+                    "max_model_len": engine.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(req: CompletionRequest, request: Request) -> Response:
+        check_model(req.model)
+        return await completions.create(req, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(req: ChatCompletionRequest, request: Request) -> Response:
+        check_model(req.model)
+        return await chat.create(req, request)
+
+    return BodyLimit(app, config.max_body_bytes)

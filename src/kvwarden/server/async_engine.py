@@ -1,0 +1,190 @@
+"""The engine stepping in a background thread, serving asyncio callers.
+
+All engine state is touched by the engine thread only. HTTP handlers validate
+input synchronously (tokenizing is thread-safe), then hand the request over a
+thread-safe inbox; outputs come back through a per-request asyncio queue. One
+loop, all clients batched together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvwarden.engine.llm_engine import LLMEngine
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.server.metrics import Metrics
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+class AsyncEngine:
+    """Runs :class:`LLMEngine` in a thread; ``generate`` yields cumulative outputs."""
+
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[_Add | tuple[str, str]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwarden-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def num_pending(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    async def generate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a validated request and yield its outputs until it finishes.
+
+        Cancelling the consumer (a disconnected client) aborts the request, so
+        its KV blocks return to the pool.
+
+        Raises:
+            QueueFullError: ``max_waiting`` requests are already pending.
+            ValueError: the engine rejected the request.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop=loop, queue=asyncio.Queue())
+        with self._streams_lock:
+            if len(self._streams) >= self.max_waiting:
+                raise QueueFullError(f"{len(self._streams)} requests pending (limit {self.max_waiting})")
+            self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, token_ids, params, cache_salt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.metrics.observe_engine(self.engine)
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:
+            self.error = exc
+            with self._streams_lock:
+                streams = list(self._streams.values())
+                self._streams.clear()
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {exc}"))
+            raise
+
+    def _drain_inbox(self) -> None:
+        handled = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                if handled:  # aborts free blocks and adds queue requests: refresh the gauges now
+                    self.metrics.observe_engine(self.engine)
+                return
+            handled = True
+            if isinstance(item, tuple):
+                out = self.engine.abort(item[1])
+                if out is not None:
+                    self.metrics.observe_finished(out)
+                with self._streams_lock:
+                    self._streams.pop(item[1], None)
+                continue
+            try:
+                self.engine.add_request(item.token_ids, item.params, item.request_id, item.cache_salt)
+            except ValueError as exc:
+                self._fail(item.request_id, exc)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and out.finished:
+                del self._streams[out.request_id]
+        if stream is None:
+            return
+        now = time.monotonic()
+        new_tokens = len(out.token_ids) - stream.num_tokens
+        if new_tokens > 0:
+            if stream.last_token_time is None:
+                self.metrics.ttft.observe(now - stream.arrival)
+            else:
+                self.metrics.itl.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+            stream.num_tokens = len(out.token_ids)
+        if out.finished:
+            self.metrics.observe_finished(out, now - stream.arrival)
+        with contextlib.suppress(RuntimeError):  # the client's loop is gone
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)

@@ -1,0 +1,140 @@
+"""``POST /v1/chat/completions``."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.server.async_engine import AsyncEngine
+from kvwarden.server.formatting import DeltaTracker, TokenText, chat_logprobs, choice_params, sampling_params, usage
+from kvwarden.server.protocol import ApiError, ChatCompletionRequest
+from kvwarden.server.streams import EventStream, Job, collect, merged, until_disconnected
+
+
+class ChatCompletions:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def _prompt(self, req: ChatCompletionRequest) -> list[int]:
+        engine = self.engine.engine
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            return engine.tokenize(text)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages", "invalid_value") from exc
+
+    def _jobs(self, req: ChatCompletionRequest, ids: list[int]) -> list[Job]:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(
+            req,
+            max_tokens=max_tokens,
+            prompt_len=len(ids),
+            max_model_len=self.engine.engine.max_model_len,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            prompt_param="messages",
+        )
+        return [Job(j, ids, choice_params(params, j), req.cache_salt) for j in range(req.n)]
+
+    async def create(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStream:
+        ids = self._prompt(req)
+        jobs = self._jobs(req, ids)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
+        if req.stream:
+            chunks = self._stream(req, jobs, rid, token_text, len(ids))
+            return EventStream(chunks)
+        final = await until_disconnected(request, collect(self.engine, jobs, rid))
+        choices = []
+        for job in jobs:
+            out = final[job.index]
+            logprobs = None
+            if req.logprobs and out.logprobs is not None:
+                logprobs = chat_logprobs(out.token_ids, out.sampled_logprobs, out.logprobs, token_text)
+            choices.append(
+                {
+                    "index": job.index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(len(ids), sum(len(o.token_ids) for o in final.values()), final[0].num_cached_tokens),
+        }
+        return JSONResponse(body)
+
+    async def _stream(
+        self, req: ChatCompletionRequest, jobs: list[Job], rid: str, token_text: TokenText, prompt_len: int
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        for job in jobs:
+            yield chunk(
+                [
+                    {
+                        "index": job.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        hold = max((len(s) for s in jobs[0].params.stop), default=1) - 1
+        trackers = {job.index: DeltaTracker(hold=hold) for job in jobs}
+        finals: dict[int, RequestOutput] = {}
+        events = merged(self.engine, jobs, rid)
+        async with contextlib.aclosing(events):
+            async for index, out in events:
+                tracker = trackers[index]
+                text = tracker.text_delta(out)
+                new = tracker.new_tokens(out)
+                if not text and not new and not out.finished:
+                    continue
+                logprobs = None
+                if req.logprobs and out.logprobs is not None:
+                    logprobs = chat_logprobs(
+                        [out.token_ids[i] for i in new],
+                        [out.sampled_logprobs[i] for i in new],
+                        [out.logprobs[i] for i in new],
+                        token_text,
+                    )
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+                if out.finished:
+                    choice["stop_reason"] = out.stop_reason
+                    finals[index] = out
+                yield chunk([choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            completion = sum(len(o.token_ids) for o in finals.values())
+            yield chunk([], usage=usage(prompt_len, completion, finals[0].num_cached_tokens))

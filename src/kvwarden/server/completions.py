@@ -1,0 +1,155 @@
+"""``POST /v1/completions``."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.server.async_engine import AsyncEngine
+from kvwarden.server.formatting import (
+    DeltaTracker,
+    TokenText,
+    choice_params,
+    completion_logprobs,
+    sampling_params,
+    usage,
+)
+from kvwarden.server.protocol import ApiError, CompletionRequest
+from kvwarden.server.streams import EventStream, Job, collect, merged, until_disconnected
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+
+class Completions:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            prompts: list[Any] = [raw]
+        else:
+            prompts = list(raw)
+        if not prompts:
+            raise ApiError(400, "prompt must not be empty", "prompt", "invalid_value")
+        out = []
+        for p in prompts:
+            try:
+                out.append(self.engine.engine.tokenize(p))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "prompt", "invalid_value") from exc
+        return out
+
+    def _jobs(self, req: CompletionRequest, prompts: list[list[int]]) -> list[Job]:
+        jobs = []
+        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        for i, ids in enumerate(prompts):
+            params = sampling_params(
+                req,
+                max_tokens=max_tokens,
+                prompt_len=len(ids),
+                max_model_len=self.engine.engine.max_model_len,
+                logprobs=req.logprobs,
+                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            )
+            jobs.extend(Job(i * req.n + j, ids, choice_params(params, j), req.cache_salt) for j in range(req.n))
+        return jobs
+
+    async def create(self, req: CompletionRequest, request: Request) -> JSONResponse | EventStream:
+        prompts = self._prompts(req)
+        jobs = self._jobs(req, prompts)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
+        if req.stream:
+            chunks = self._stream(req, jobs, rid, token_text, prompts)
+            return EventStream(chunks)
+        final = await until_disconnected(request, collect(self.engine, jobs, rid))
+        choices = [self._choice(req, job.index, final[job.index], token_text) for job in jobs]
+        cached = sum(final[i * req.n].num_cached_tokens for i in range(len(prompts)))
+        completion_tokens = sum(len(o.token_ids) for o in final.values())
+        body = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(sum(len(p) for p in prompts), completion_tokens, cached),
+        }
+        return JSONResponse(body)
+
+    def _choice(self, req: CompletionRequest, index: int, out: RequestOutput, token_text: TokenText) -> dict:
+        text = out.text
+        logprobs = None
+        if req.echo:
+            text = self.engine.engine.tokenizer.decode(out.prompt_token_ids) + text
+        if req.logprobs is not None:
+            ids, sampled, tops = list(out.token_ids), list(out.sampled_logprobs), list(out.logprobs or [])
+            if req.echo:
+                prompt_tops = out.prompt_logprobs or []
+                prompt_sampled = [None] + [
+                    dict(t).get(tok) for t, tok in zip(prompt_tops[1:], out.prompt_token_ids[1:], strict=False)
+                ]
+                ids = out.prompt_token_ids + ids
+                sampled = prompt_sampled + sampled
+                tops = list(prompt_tops) + tops  # prompt entries also carry the actual token
+            logprobs = completion_logprobs(ids, sampled, tops, token_text)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+
+    async def _stream(
+        self, req: CompletionRequest, jobs: list[Job], rid: str, token_text: TokenText, prompts: list[list[int]]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        hold = max((len(s) for s in jobs[0].params.stop), default=1) - 1
+        trackers = {job.index: DeltaTracker(hold=hold) for job in jobs}
+        created = int(time.time())
+        finals: dict[int, RequestOutput] = {}
+        events = merged(self.engine, jobs, rid)
+        async with contextlib.aclosing(events):
+            async for index, out in events:
+                tracker = trackers[index]
+                text = tracker.text_delta(out)
+                new = tracker.new_tokens(out)
+                logprobs = None
+                if req.logprobs is not None and out.logprobs is not None:
+                    logprobs = completion_logprobs(
+                        [out.token_ids[i] for i in new],
+                        [out.sampled_logprobs[i] for i in new],
+                        [out.logprobs[i] for i in new],
+                        token_text,
+                    )
+                if not text and not new and not out.finished:
+                    continue
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                if out.finished:
+                    choice["stop_reason"] = out.stop_reason
+                    finals[index] = out
+                yield {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [choice],
+                }
+        if req.stream_options is not None and req.stream_options.include_usage:
+            cached = sum(finals[i * req.n].num_cached_tokens for i in range(len(prompts)))
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in finals.values()), cached),
+            }

@@ -1,0 +1,178 @@
+"""Turning engine outputs into OpenAI response pieces (shared by both endpoints)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.request import TopLogprobs
+from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.models.tokenizer import Tokenizer
+from kvwarden.server.protocol import ApiError
+
+# Largest `n` per request; larger fan-outs are better sent as separate requests.
+MAX_N = 16
+
+
+class TokenText:
+    """Token id -> the string shown in logprobs (``token_id:N`` when asked)."""
+
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
+
+
+def sampling_params(
+    req: Any,
+    *,
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    prompt_param: str = "prompt",
+) -> SamplingParams:
+    """Validate an API request's sampling fields into :class:`SamplingParams`.
+
+    Raises:
+        ApiError: 400 naming the API field.
+    """
+    if req.presence_penalty or req.frequency_penalty:
+        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        raise ApiError(400, f"{param} is not supported by kvwarden (only 0)", param, "unsupported_parameter")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by kvwarden", "logit_bias", "unsupported_parameter")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n", "invalid_value")
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len}.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+    elif max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    values: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens,
+        "stop": stop,
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "seed": req.seed,
+    }
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(req, name)
+        if value is not None:
+            values[name] = value
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        param = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), param if param in values else None, "invalid_value") from exc
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Params of choice ``index`` of ``n``: distinct seeds so choices differ."""
+    if index == 0 or params.seed is None:
+        return params
+    return params.replace(seed=params.seed + index)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    sampled: list[float | None],
+    tops: list[TopLogprobs | None],
+    token_text: TokenText,
+    text_offset_start: int = 0,
+) -> dict[str, Any]:
+    """Legacy completions logprobs object (``tokens``/``token_logprobs``/``top_logprobs``)."""
+    tokens = [token_text(t) for t in token_ids]
+    offsets, pos = [], text_offset_start
+    for piece in tokens:
+        offsets.append(pos)
+        pos += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": sampled,
+        "top_logprobs": [None if top is None else {token_text(t): lp for t, lp in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(token_ids: list[int], sampled: list[float], tops: list[TopLogprobs], token_text: TokenText) -> dict:
+    content = []
+    for token, lp, top in zip(token_ids, sampled, tops, strict=True):
+        content.append(
+            {
+                "token": token_text(token),
+                "logprob": lp,
+                "bytes": token_text.bytes_of(token),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": v, "bytes": token_text.bytes_of(t)} for t, v in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+@dataclass
+class DeltaTracker:
+    """What a stream has already sent of one choice.
+
+    Text is held back while it may still change: a trailing U+FFFD (an
+    incomplete UTF-8 sequence) and, while stop strings are set, the last
+    ``len(longest stop) - 1`` characters, which a stop string may still claim.
+    """
+
+    hold: int = 0
+    sent_text: int = 0
+    sent_tokens: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def text_delta(self, out: RequestOutput) -> str:
+        text = out.text
+        end = len(text)
+        if not out.finished:
+            end = max(self.sent_text, end - self.hold)
+            while end > self.sent_text and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self.sent_text : end]
+        self.sent_text = max(self.sent_text, end)
+        return delta
+
+    def new_tokens(self, out: RequestOutput) -> range:
+        start, self.sent_tokens = self.sent_tokens, len(out.token_ids)
+        return range(start, self.sent_tokens)

@@ -1,0 +1,97 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+Engine counters are snapshotted by the engine thread after every step and
+exported at scrape time; latency histograms are observed as tokens are
+delivered. Names follow vLLM's (``kvwarden:`` instead of ``vllm:``) so
+dashboards and the probe read both the same way. One registry per server, no
+module-level state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvwarden.engine.llm_engine import LLMEngine
+from kvwarden.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests that produced a first token"),
+    "generation_tokens": ("generation_tokens", "Generated tokens"),
+    "preemptions": ("num_preemptions", "Requests preempted by recompute"),
+    "evictions": ("prefix_cache_evictions", "Cached blocks evicted under memory pressure"),
+}
+_GAUGES = {
+    "running": ("num_requests_running", "Requests in the running batch"),
+    "waiting": ("num_requests_waiting", "Requests waiting to be scheduled"),
+    "used_blocks": ("kv_blocks_used", "KV blocks held by requests"),
+    "free_blocks": ("kv_blocks_free", "KV blocks free (including cached, evictable ones)"),
+    "cached_blocks": ("kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
+}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.metrics.snapshot()
+        for key, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
+
+
+class Metrics:
+    """Everything ``/metrics`` exports for one server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._snapshot: dict[str, float] = {}
+        self.registry.register(_EngineCollector(self))
+        self.ttft = Histogram(
+            "kvwarden:time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvwarden:inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvwarden:e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.finished = Counter(
+            "kvwarden:request_success", "Finished requests", ["finished_reason"], registry=self.registry
+        )
+
+    def observe_engine(self, engine: LLMEngine) -> None:
+        stats = engine.stats()
+        stats["used_blocks"] = stats["num_blocks"] - stats["free_blocks"]
+        with self._lock:
+            self._snapshot = stats
+
+    def observe_finished(self, out: RequestOutput, latency: float | None = None) -> None:
+        self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
+        if latency is not None:
+            self.e2e.observe(latency)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._snapshot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,129 @@
+"""Running the choices of one API request: fan-out, merge, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.server.async_engine import AsyncEngine, QueueFullError
+from kvwarden.server.protocol import ApiError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One choice: a prompt and its sampling parameters."""
+
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+def _engine_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, QueueFullError):
+        return ApiError(503, f"server overloaded: {exc}; retry later", None, "overloaded")
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc), None, "invalid_value")
+    return ApiError(500, f"engine error: {exc}", None, "internal_error")
+
+
+async def merged(engine: AsyncEngine, jobs: list[Job], prefix: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield ``(index, output)`` as any job progresses; cancelling aborts every job."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            rid = engine.new_request_id(prefix)
+            async for out in engine.generate(rid, job.token_ids, job.params, job.cache_salt):
+                await queue.put((job.index, out))
+            await queue.put((job.index, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put((job.index, exc))
+
+    tasks = [asyncio.create_task(pump(job)) for job in jobs]
+    remaining = len(jobs)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise _engine_error(item) from item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(engine: AsyncEngine, jobs: list[Job], prefix: str) -> dict[int, RequestOutput]:
+    """Final output of every job."""
+    final: dict[int, RequestOutput] = {}
+    async for index, out in merged(engine, jobs, prefix):
+        if out.finished:
+            final[index] = out
+    return final
+
+
+async def until_disconnected(request: Request, work: Awaitable[T], poll: float = 0.1) -> T:
+    """Await ``work``; cancel it (aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise ApiError(499, "client disconnected", None, "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+    """Server-sent events of ``chunks`` then ``[DONE]``; errors become an error event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except ApiError as err:
+            yield sse(err.body())
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always closes its generator chain when the response ends.
+
+    Starlette stops iterating when the client goes away but leaves the
+    generator suspended; closing it explicitly runs every ``finally`` down to
+    the engine, which aborts the requests and frees their KV blocks at once.
+    """
+
+    def __init__(self, chunks: AsyncGenerator[dict[str, Any], None]) -> None:
+        super().__init__(sse_stream(chunks), media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
