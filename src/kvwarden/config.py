@@ -41,17 +41,21 @@ class NumericsConfig:
         pointwise_chunk: elements per call of a transcendental element-wise kernel
             (exp, silu). Below torch's parallel grain size and a multiple of every
             SIMD width, so each element takes the vectorised path, never a tail.
+        scan_chunk: tokens per chunk of the canonical recurrent scan (gated delta
+            rule, Mamba2 SSD); the grid is fixed to absolute positions and the
+            block size must be a multiple of it.
     """
 
     mode: NumericsMode = "canonical"
     row_tile: int = 16
     key_tile: int = 16
     pointwise_chunk: int = 16384
+    scan_chunk: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in NUMERICS_MODES:
             raise ValueError(f"numerics: unknown mode {self.mode!r}; expected one of {NUMERICS_MODES}")
-        for name in ("row_tile", "key_tile", "pointwise_chunk"):
+        for name in ("row_tile", "key_tile", "pointwise_chunk", "scan_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"numerics.{name} must be >= 1")
         if self.pointwise_chunk % 64:

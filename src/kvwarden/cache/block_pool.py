@@ -9,6 +9,7 @@ freed), which is where eviction happens.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -39,6 +40,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.evictions = 0
+        # Called with the hash of every cache entry that disappears (hybrid state snapshots follow).
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,6 +122,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block.block_id:
                 del self._cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
 

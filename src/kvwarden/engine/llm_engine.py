@@ -13,7 +13,9 @@ import random
 from typing import Any
 
 from kvwarden.cache.block_pool import BlockPool
+from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
+from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
@@ -43,12 +45,26 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         cache = config.cache
-        per_block = kv_bytes_per_block(self.loaded.model, cache.block_size)
+        model = self.loaded.model
+        specs = model.recurrent_specs()
+        if specs and config.numerics.mode == "canonical" and cache.block_size % config.numerics.scan_chunk:
+            raise ValueError(
+                f"block_size: {cache.block_size} must be a multiple of the recurrent scan chunk "
+                f"({config.numerics.scan_chunk}) so every block boundary is a scan grid point"
+            )
+        # A recurrent-state snapshot lives with its block: count it in the per-block budget.
+        per_block = kv_bytes_per_block(model, cache.block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
         self.num_blocks = cache.num_blocks or max(2, cache.memory_bytes // per_block)
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, cache.block_size, cache.enable_prefix_caching)
+        self.kv: KVCacheManager | HybridCacheManager = KVCacheManager(
+            self.pool, cache.block_size, cache.enable_prefix_caching
+        )
+        self.states: StatePool | None = None
+        if specs:
+            self.states = StatePool(specs, config.scheduler.max_num_seqs, self.num_blocks, config.numerics.scan_chunk)
+            self.kv = HybridCacheManager(self.kv, self.states)
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size)
-        self.runner = ModelRunner(self.loaded.model, self.num_blocks, cache.block_size, config.numerics)
+        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, config.numerics, self.states)
         self.requests: dict[str, Request] = {}
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
@@ -214,7 +230,10 @@ class LLMEngine:
             assert req.request_id in self.kv.req_blocks or req.num_computed_tokens == 0
 
     def stats(self) -> dict[str, Any]:
+        states = self.states
         return {
+            "state_slots_free": states.num_free_working if states else 0,
+            "state_snapshots": states.num_snapshots if states else 0,
             "num_blocks": self.num_blocks,
             "free_blocks": self.pool.num_free_blocks,
             "cached_blocks": self.pool.num_cached_blocks,

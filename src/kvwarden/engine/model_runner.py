@@ -9,14 +9,21 @@ request's context at it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvwarden.cache.kv_cache_manager import KVCacheManager
+from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
 from kvwarden.engine.scheduler import SchedulerOutput
 from kvwarden.layers.attention import SeqAttn, build_plan
-from kvwarden.models.llama import ForwardBatch, LlamaModel
+from kvwarden.models.decoder import DecoderModel, ForwardBatch, SeqSlice
+
+
+class KVCacheView(Protocol):
+    """What the runner needs from the cache manager: a request's block table."""
+
+    def block_ids(self, request_id: str) -> list[int]: ...
 
 
 @dataclass
@@ -35,15 +42,23 @@ class StepLogits:
     prompt_rows: dict[str, tuple[int, list[int]]]
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     heads, dim = model.kv_shape()
     elem = torch.empty((), dtype=model.dtype).element_size()
     return model.num_attention_layers * block_size * heads * (2 * dim + 1) * elem
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, numerics: NumericsConfig) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        numerics: NumericsConfig,
+        states: StatePool | None = None,
+    ) -> None:
         self.model = model
+        self.states = states
         self.block_size = block_size
         self.numerics = numerics
         heads, dim = model.kv_shape()
@@ -57,11 +72,12 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepLogits:
+    def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[torch.Tensor] = []
         seqs: list[SeqAttn] = []
+        slices: list[SeqSlice] = []
         sample_rows: dict[str, int] = {}
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
         want_rows: list[int] = []
@@ -73,6 +89,7 @@ class ModelRunner:
             slots = self._slots(kv.block_ids(req.request_id), chunk.end)
             slot_list.append(slots[chunk.start : chunk.end])
             seqs.append(SeqAttn(row0, chunk.num_tokens, chunk.start, slots))
+            slices.append(SeqSlice(req.request_id, row0, chunk.num_tokens, chunk.start))
             scored = min(chunk.end, req.num_prompt_tokens) - chunk.start
             if req.wants_prompt_scores and scored > 0:
                 # Row of position j holds the distribution of token j+1.
@@ -87,6 +104,10 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long),
             slot_mapping=torch.cat(slot_list),
             plan=plan,
+            seqs=slices,
+            states=self.states,
+            block_size=self.block_size,
+            scan_chunk=self.numerics.scan_chunk,
         )
         hidden = self.model.forward(batch, self.kv_caches)
         if want_rows:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.config import ModelConfig
-from kvwarden.models.llama import LlamaModel
+from kvwarden.models.decoder import DecoderModel
 from kvwarden.models.tokenizer import Tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -21,9 +21,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
     source: str
+    mtp_weights: dict[str, torch.Tensor]
 
 
 def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = None) -> LoadedModel:
@@ -49,8 +50,10 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
         return None if t is None else t.to(torch_dtype).contiguous()
 
     max_positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    model = LlamaModel(cfg, get, ops, max_positions)
-    return LoadedModel(config=cfg, model=model, tokenizer=tokenizer, source=str(path))
+    model = DecoderModel(cfg, get, ops, max_positions)
+    extra = sorted(k for k in tensors if k.startswith("mtp."))
+    mtp = {k: tensors[k] for k in extra}  # multi-token-prediction head, kept for speculative decoding
+    return LoadedModel(config=cfg, model=model, tokenizer=tokenizer, source=str(path), mtp_weights=mtp)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -18,8 +18,9 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvwarden.models.bundled import corpus_text
+from kvwarden.models.make_hybrid import Init, granite_config, granite_weights, qwen3_next_config, qwen3_next_weights
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "qwen3_next", "granite_hybrid")
 PRESETS = ("tiny", "small")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -46,6 +47,8 @@ class Preset:
 # Tiny presets run a whole test in milliseconds; small ones are the benchmark size.
 # Qwen3 presets use a head_dim different from hidden/heads and tied embeddings,
 # Llama presets untied embeddings, so the presets between them cover both cases.
+VOCAB_SIZES = {"tiny": 1024, "small": 2048}
+
 PRESET_TABLE: dict[tuple[str, str], Preset] = {
     ("llama", "tiny"): Preset(1024, 64, 128, 2, 4, 2, 16, 4096, False),
     ("llama", "small"): Preset(2048, 256, 768, 4, 8, 4, 32, 4096, False),
@@ -110,16 +113,14 @@ def hf_config(arch: str, p: Preset, vocab_size: int, eos_id: int, bos_id: int) -
 
 def random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights, scaled so activations stay O(1) and logits are peaked enough to read."""
-    g = torch.Generator().manual_seed(seed)
+    init = Init(seed)
+    if cfg["model_type"] == "qwen3_next":
+        return qwen3_next_weights(cfg, init)
+    if cfg["model_type"] == "granitemoehybrid":
+        return granite_weights(cfg, init)
+    normal = init.normal
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv_heads, head_dim = (
-        cfg["num_attention_heads"],
-        cfg["num_key_value_heads"],
-        cfg["head_dim"],
-    )
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
+    heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
 
     def norm_weight(n: int) -> torch.Tensor:
         return 1.0 + normal(n, std=0.1)
@@ -155,14 +156,18 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
         raise ValueError(f"--arch: unknown architecture {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"--preset: unknown preset {preset!r}; expected one of {PRESETS}")
-    p = PRESET_TABLE[(arch, preset)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(p.vocab_size)
+    tok = train_tokenizer(VOCAB_SIZES[preset])
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos = tok.token_to_id("<|im_end|>")
     bos = tok.token_to_id("<|endoftext|>")
-    cfg = hf_config(arch, p, vocab, eos, bos)
+    if arch == "qwen3_next":
+        cfg = qwen3_next_config(preset, vocab, eos, bos)
+    elif arch == "granite_hybrid":
+        cfg = granite_config(preset, vocab, eos, bos)
+    else:
+        cfg = hf_config(arch, PRESET_TABLE[(arch, preset)], vocab, eos, bos)
     save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, bos]})
@@ -176,7 +181,7 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
             "pad_token": "<|endoftext|>",
             "unk_token": None,
             "add_bos_token": False,
-            "model_max_length": p.max_position_embeddings,
+            "model_max_length": cfg["max_position_embeddings"],
             "chat_template": CHAT_TEMPLATE,
         },
     )

@@ -1,0 +1,148 @@
+"""Recurrent-state memory: working states of running requests and prefix-cache snapshots.
+
+Working states: one slot per running request holding, for every recurrent
+layer, the conv window, the scan state and the pending rows (see
+:mod:`kvwarden.layers.chunked_scan`). Snapshots: the (conv, scan) state at a
+block boundary, keyed by that block's chained hash, as a prefix-cache entry of
+its own; like vLLM's separate Mamba block group, the first writer of a state
+entry need not be the first writer of the KV block with the same hash.
+
+A snapshot lives and dies with its KV block: the pool has one snapshot slot per
+KV block (so a snapshot never lacks room), the block pool's eviction drops the
+snapshot of the evicted hash, and the engine sizes the KV pool with
+``kv bytes + snapshot bytes`` per block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvwarden.layers.chunked_scan import ScanState
+
+
+@dataclass(frozen=True)
+class RecurrentLayerSpec:
+    """Shapes of one recurrent layer's state (float32)."""
+
+    conv_shape: tuple[int, int]  # (K - 1, conv channels)
+    ssm_shape: tuple[int, ...]
+    feature_dim: int  # packed per-token features kept for the pending rows
+
+    def snapshot_numel(self) -> int:
+        return self.conv_shape[0] * self.conv_shape[1] + math.prod(self.ssm_shape)
+
+
+class StatePool:
+    """Owns every recurrent-state tensor; the only place slots are handed out."""
+
+    def __init__(self, specs: list[RecurrentLayerSpec], num_working: int, num_snapshots: int, chunk: int) -> None:
+        self.specs = specs
+        self.chunk = chunk
+        self.num_working = num_working
+        self.conv = [torch.zeros(num_working, *s.conv_shape) for s in specs]
+        self.ssm = [torch.zeros(num_working, *s.ssm_shape) for s in specs]
+        self.pending = [torch.zeros(num_working, chunk, s.feature_dim) for s in specs]
+        self.snap_conv = [torch.zeros(num_snapshots, *s.conv_shape) for s in specs]
+        self.snap_ssm = [torch.zeros(num_snapshots, *s.ssm_shape) for s in specs]
+        self._free_working = list(range(num_working - 1, -1, -1))
+        self.working: dict[str, int] = {}
+        self._free_snapshots = list(range(num_snapshots - 1, -1, -1))
+        self._snapshot_of: dict[bytes, int] = {}
+        self._staged: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    @staticmethod
+    def snapshot_bytes(specs: list[RecurrentLayerSpec]) -> int:
+        return 4 * sum(s.snapshot_numel() for s in specs)
+
+    # ------------------------------------------------------------- working
+    @property
+    def num_free_working(self) -> int:
+        return len(self._free_working)
+
+    def can_allocate_working(self, request_id: str) -> bool:
+        return request_id in self.working or bool(self._free_working)
+
+    def allocate_working(self, request_id: str) -> None:
+        """A zeroed working slot for a request starting at position 0."""
+        if request_id not in self.working:
+            if not self._free_working:
+                raise RuntimeError("state pool: no free working slot")
+            self.working[request_id] = self._free_working.pop()
+        slot = self.working[request_id]
+        for tensors in (self.conv, self.ssm, self.pending):
+            for t in tensors:
+                t[slot].zero_()
+
+    def free_working(self, request_id: str) -> None:
+        slot = self.working.pop(request_id, None)
+        if slot is not None:
+            self._free_working.append(slot)
+        self._staged.pop(request_id, None)
+
+    def views(self, request_id: str, layer: int) -> tuple[torch.Tensor, ScanState]:
+        """(conv window, scan state) of a request's working slot for one layer."""
+        slot = self.working[request_id]
+        return self.conv[layer][slot], ScanState(ssm=self.ssm[layer][slot], pending=self.pending[layer][slot])
+
+    # ----------------------------------------------------------- snapshots
+    def has_snapshot(self, block_hash: bytes) -> bool:
+        return block_hash in self._snapshot_of
+
+    def restore(self, request_id: str, block_hash: bytes) -> None:
+        """Load the snapshot at a block boundary into the request's working slot."""
+        src = self._snapshot_of[block_hash]
+        slot = self.working[request_id]
+        for layer in range(len(self.specs)):
+            self.conv[layer][slot].copy_(self.snap_conv[layer][src])
+            self.ssm[layer][slot].copy_(self.snap_ssm[layer][src])
+            self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
+
+    def stage(self, request_id: str, pos: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Remember a boundary state computed this step (committed after the step)."""
+        per_pos = self._staged.setdefault(request_id, {})
+        layers = per_pos.setdefault(pos, [])
+        assert len(layers) == layer, "boundary states are staged layer by layer"
+        layers.append((conv.detach().clone(), ssm.detach().clone()))
+
+    def staged_positions(self, request_id: str) -> list[int]:
+        return sorted(self._staged.get(request_id, {}))
+
+    def commit(self, request_id: str, pos: int, block_hash: bytes) -> bool:
+        """Publish a staged boundary state under ``block_hash`` (first writer wins)."""
+        layers = self._staged.get(request_id, {}).pop(pos, None)
+        if layers is None or block_hash in self._snapshot_of or not self._free_snapshots:
+            return False
+        slot = self._free_snapshots.pop()
+        for layer, (conv, ssm) in enumerate(layers):
+            self.snap_conv[layer][slot].copy_(conv)
+            self.snap_ssm[layer][slot].copy_(ssm)
+        self._snapshot_of[block_hash] = slot
+        return True
+
+    def drop_staged(self, request_id: str) -> None:
+        self._staged.pop(request_id, None)
+
+    def evict(self, block_hash: bytes) -> None:
+        """Drop the snapshot of an evicted KV block."""
+        slot = self._snapshot_of.pop(block_hash, None)
+        if slot is not None:
+            self._free_snapshots.append(slot)
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshot_of)
+
+    def snapshot_hashes(self) -> set[bytes]:
+        return set(self._snapshot_of)
+
+    def check_integrity(self) -> None:
+        slots = list(self.working.values())
+        assert len(slots) == len(set(slots)), "working slot handed out twice"
+        assert not set(slots) & set(self._free_working), "a held working slot is also free"
+        assert len(slots) + len(self._free_working) == self.num_working, "working slot leaked"
+        snaps = list(self._snapshot_of.values())
+        assert len(snaps) == len(set(snaps)), "snapshot slot used twice"
+        assert not set(snaps) & set(self._free_snapshots), "a held snapshot slot is also free"

@@ -1,0 +1,63 @@
+"""Self-attention over the paged KV cache (Llama, Qwen3, Qwen3-Next, Granite flavours)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvwarden.layers.attention import canonical_attention, shape_dependent_attention
+from kvwarden.layers.numerics import Ops
+from kvwarden.layers.rotary import RotaryEmbedding
+from kvwarden.models.common import ForwardBatch, WeightGetter, norm_weight, require
+from kvwarden.models.config import ModelConfig
+
+
+class AttentionBlock:
+    """q/k/v projections, optional per-head q/k norm, rope, paged attention, output.
+
+    Qwen3-Next doubles ``q_proj`` to carry a per-head output gate
+    (``o * sigmoid(gate)``); Granite scales scores by ``attention_multiplier``
+    and may use no rope.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, rope: RotaryEmbedding | None
+    ) -> None:
+        self.cfg, self.ops, self.rope = cfg, ops, rope
+        self.wq, self.bq = require(get, f"{prefix}.q_proj.weight"), get(f"{prefix}.q_proj.bias")
+        self.wk, self.bk = require(get, f"{prefix}.k_proj.weight"), get(f"{prefix}.k_proj.bias")
+        self.wv, self.bv = require(get, f"{prefix}.v_proj.weight"), get(f"{prefix}.v_proj.bias")
+        self.wo, self.bo = require(get, f"{prefix}.o_proj.weight"), get(f"{prefix}.o_proj.bias")
+        self.q_norm = norm_weight(cfg, get, f"{prefix}.q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = norm_weight(cfg, get, f"{prefix}.k_norm.weight") if cfg.qk_norm else None
+        self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim**-0.5
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        rows, d = h.shape[0], cfg.head_dim
+        q = ops.linear(h, self.wq, self.bq)
+        gate = None
+        if cfg.attn_output_gate:
+            q, gate = q.view(rows, cfg.num_attention_heads, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(rows, -1)
+        q = q.reshape(rows, cfg.num_attention_heads, d)
+        k = ops.linear(h, self.wk, self.bk).view(rows, cfg.num_key_value_heads, d)
+        v = ops.linear(h, self.wv, self.bv).view(rows, cfg.num_key_value_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, d), self.q_norm, cfg.rms_norm_eps).view(q.shape)
+            k = ops.rms_norm(k.reshape(-1, d), self.k_norm, cfg.rms_norm_eps).view(k.shape)
+        if self.rope is not None:
+            q = self.rope.apply(q, batch.positions)
+            k = self.rope.apply(k, batch.positions)
+        k_cache, v_cache = kv
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        ones = v.new_ones((rows, v.shape[1], 1))  # the ones column of the V cache (see ModelRunner)
+        v_cache.index_copy_(0, batch.slot_mapping, torch.cat([v, ones], -1).to(v_cache.dtype))
+        if ops.name == "canonical":
+            nc = ops.config
+            o = canonical_attention(q, k_cache, v_cache, batch.plan, self.scale, ops.exp, nc.row_tile, nc.key_tile)
+        else:
+            o = shape_dependent_attention(q, k_cache, v_cache, batch.plan, self.scale)
+        o = o.reshape(rows, -1)
+        if gate is not None:
+            o = o * ops.pointwise(torch.sigmoid, gate)
+        return ops.linear(o, self.wo, self.bo)

@@ -1,0 +1,62 @@
+"""Types shared by the model blocks: the step's inputs and weight lookup."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvwarden.cache.state_pool import StatePool
+from kvwarden.layers.attention import AttentionPlan
+from kvwarden.models.config import ModelConfig
+
+WeightGetter = Callable[[str], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One request's rows in the step: positions ``[start, start + num_tokens)``."""
+
+    request_id: str
+    row_start: int
+    num_tokens: int
+    start: int
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one model step (built by the model runner).
+
+    Attributes:
+        input_ids: ``[rows]`` tokens of every request's chunk, concatenated.
+        positions: ``[rows]`` absolute position of each token in its request.
+        slot_mapping: ``[rows]`` flat KV-cache slot each token's K/V is written to.
+        plan: attention tiling for the step.
+        seqs: the requests in the batch, in row order.
+        states: recurrent working states (hybrid models).
+        block_size: KV block size (recurrent states are captured at block boundaries).
+        scan_chunk: the canonical scan's chunk size (divides ``block_size``).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    plan: AttentionPlan
+    seqs: list[SeqSlice] = field(default_factory=list)
+    states: StatePool | None = None
+    block_size: int = 16
+    scan_chunk: int = 16
+
+
+def require(get: WeightGetter, name: str) -> torch.Tensor:
+    tensor = get(name)
+    if tensor is None:
+        raise ValueError(f"checkpoint: missing tensor {name!r}")
+    return tensor
+
+
+def norm_weight(cfg: ModelConfig, get: WeightGetter, name: str) -> torch.Tensor:
+    """RMSNorm weight as applied: Qwen3-Next stores ``w`` and scales by ``1 + w``."""
+    w = require(get, name)
+    return (1.0 + w.float()).to(w.dtype) if cfg.norm_offset else w

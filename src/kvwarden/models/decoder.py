@@ -1,0 +1,102 @@
+"""The decoder stack shared by every family: embeddings, layers, final norm, LM head.
+
+A layer is ``x + r * mixer(norm(x))`` then ``x + r * ffn(norm(x))`` where the
+mixer is attention, a gated-DeltaNet or a Mamba2 block and the FFN a dense MLP
+or a sparse MoE, as the config's ``layer_types`` and MoE settings say. Family
+quirks (Qwen3-Next's ``1 + w`` norms, Granite's multipliers) are config fields,
+not subclasses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwarden.cache.state_pool import RecurrentLayerSpec
+from kvwarden.layers.numerics import Ops
+from kvwarden.layers.rotary import RotaryEmbedding
+from kvwarden.models.attention_block import AttentionBlock
+from kvwarden.models.common import ForwardBatch, SeqSlice, WeightGetter, norm_weight, require
+from kvwarden.models.config import ATTENTION, GATED_DELTANET, ModelConfig
+from kvwarden.models.mlp import build_ffn
+from kvwarden.models.recurrent_blocks import GatedDeltaNetBlock, Mamba2Block
+
+__all__ = ["DecoderModel", "ForwardBatch", "SeqSlice"]
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, index: int, ops: Ops, rope: RotaryEmbedding | None) -> None:
+        prefix = f"model.layers.{index}"
+        self.cfg, self.ops = cfg, ops
+        self.kind = cfg.layer_types[index]
+        self.input_norm = norm_weight(cfg, get, f"{prefix}.input_layernorm.weight")
+        self.post_norm = norm_weight(cfg, get, f"{prefix}.post_attention_layernorm.weight")
+        if self.kind == ATTENTION:
+            self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope)
+        elif self.kind == GATED_DELTANET:
+            self.mixer = GatedDeltaNetBlock(cfg, get, f"{prefix}.linear_attn", ops)
+        else:
+            self.mixer = Mamba2Block(cfg, get, f"{prefix}.mamba", ops)
+        self.ffn = build_ffn(cfg, get, index, ops)
+        self.kv_index = -1  # index into the KV caches (attention layers)
+        self.state_index = -1  # index into the state pool (recurrent layers)
+
+    def __call__(
+        self, h: torch.Tensor, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        eps, r = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
+        x = self.ops.rms_norm(h, self.input_norm, eps)
+        if self.kind == ATTENTION:
+            mixed = self.mixer(x, batch, kv[self.kv_index])
+        else:
+            mixed = self.mixer(x, batch, self.state_index)
+        h = h + mixed * r if r != 1.0 else h + mixed
+        out = self.ffn(self.ops.rms_norm(h, self.post_norm, eps))
+        return h + out * r if r != 1.0 else h + out
+
+
+class DecoderModel:
+    """Decoder-only model of any supported family over the paged cache."""
+
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, ops: Ops, max_positions: int) -> None:
+        self.cfg, self.ops = cfg, ops
+        self.embed = require(get, "model.embed_tokens.weight")
+        rope = None
+        if cfg.use_rope and cfg.attention_layers:
+            rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_parameters, max_positions)
+        self.layers = [DecoderLayer(cfg, get, i, ops, rope) for i in range(cfg.num_hidden_layers)]
+        for kv_i, i in enumerate(cfg.attention_layers):
+            self.layers[i].kv_index = kv_i
+        for st_i, i in enumerate(cfg.recurrent_layers):
+            self.layers[i].state_index = st_i
+        self.norm = norm_weight(cfg, get, "model.norm.weight")
+        head = get("lm_head.weight")
+        self.lm_head = self.embed if (cfg.tie_word_embeddings or head is None) else head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def kv_shape(self) -> tuple[int, int]:
+        """(kv heads, head dim) of every attention layer's cache."""
+        return self.cfg.num_key_value_heads, self.cfg.head_dim
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.cfg.attention_layers)
+
+    def recurrent_specs(self) -> list[RecurrentLayerSpec]:
+        return [self.layers[i].mixer.spec() for i in self.cfg.recurrent_layers]  # type: ignore[union-attr]
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states ``[rows, hidden]`` after the final norm."""
+        h = self.embed[batch.input_ids]
+        if self.cfg.embedding_multiplier != 1.0:
+            h = h * self.cfg.embedding_multiplier
+        for layer in self.layers:
+            h = layer(h, batch, kv_caches)
+        return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` for selected hidden rows."""
+        logits = self.ops.linear(hidden, self.lm_head).float()
+        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits

@@ -1,0 +1,89 @@
+"""Feed-forward blocks: SwiGLU MLP (Llama/Qwen naming), Granite's fused shared MLP, sparse MoE."""
+
+from __future__ import annotations
+
+import torch
+
+from kvwarden.layers.numerics import Ops
+from kvwarden.models.common import WeightGetter, require
+from kvwarden.models.config import ModelConfig
+
+
+class MLP:
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, get: WeightGetter, prefix: str, ops: Ops) -> None:
+        self.ops = ops
+        self.w_gate, self.b_gate = require(get, f"{prefix}.gate_proj.weight"), get(f"{prefix}.gate_proj.bias")
+        self.w_up, self.b_up = require(get, f"{prefix}.up_proj.weight"), get(f"{prefix}.up_proj.bias")
+        self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), get(f"{prefix}.down_proj.bias")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        gate = ops.linear(h, self.w_gate, self.b_gate)
+        up = ops.linear(h, self.w_up, self.b_up)
+        return ops.linear(ops.silu_mul(gate, up), self.w_down, self.b_down)
+
+
+class GraniteMLP:
+    """Granite's ``shared_mlp``: one ``input_linear`` producing [gate | up], then ``output_linear``."""
+
+    def __init__(self, get: WeightGetter, prefix: str, ops: Ops) -> None:
+        self.ops = ops
+        self.w_in = require(get, f"{prefix}.input_linear.weight")
+        self.w_out = require(get, f"{prefix}.output_linear.weight")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.ops.linear(h, self.w_in).chunk(2, dim=-1)
+        return self.ops.linear(self.ops.silu_mul(gate.contiguous(), up.contiguous()), self.w_out)
+
+
+class SparseMoE:
+    """Qwen3-Next MoE: softmax router, top-k experts, plus a sigmoid-gated shared expert.
+
+    NOTE(invariance): every expert GEMM goes through the row-tiled linear (a
+    row's bits do not depend on which other tokens chose the expert), and a
+    token's expert outputs are summed in rank order with explicit adds, not by
+    scattered accumulation whose order would depend on the batch.
+    """
+
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+        assert cfg.moe is not None
+        self.moe, self.ops = cfg.moe, ops
+        self.router = require(get, f"{prefix}.gate.weight")
+        self.experts = [MLP(get, f"{prefix}.experts.{e}", ops) for e in range(cfg.moe.num_experts)]
+        self.shared = MLP(get, f"{prefix}.shared_expert", ops) if cfg.moe.shared_intermediate_size else None
+        self.shared_gate = get(f"{prefix}.shared_expert_gate.weight")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        ops, k = self.ops, self.moe.top_k
+        rows = h.shape[0]
+        logits = ops.linear(h, self.router).float()
+        probs = ops.rows(lambda t: torch.softmax(t, dim=-1), logits)
+        weights, chosen = torch.topk(probs, k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / ops.rows(lambda t: t.sum(dim=-1, keepdim=True), weights)
+        weights = weights.to(h.dtype)
+        per_rank = h.new_zeros((rows, k, h.shape[1]))
+        for e in torch.unique(chosen).tolist():
+            token, rank = torch.where(chosen == e)
+            out = self.experts[e](h[token])
+            per_rank[token, rank] = out * weights[token, rank].unsqueeze(-1)
+        combined = per_rank[:, 0]
+        for r in range(1, k):
+            combined = combined + per_rank[:, r]
+        if self.shared is not None:
+            shared = self.shared(h)
+            if self.shared_gate is not None:
+                shared = shared * ops.pointwise(torch.sigmoid, ops.linear(h, self.shared_gate))
+            combined = combined + shared
+        return combined
+
+
+def build_ffn(cfg: ModelConfig, get: WeightGetter, index: int, ops: Ops) -> MLP | GraniteMLP | SparseMoE:
+    prefix = f"model.layers.{index}"
+    if cfg.architecture == "GraniteMoeHybridForCausalLM":
+        return GraniteMLP(get, f"{prefix}.shared_mlp", ops)
+    if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+        return SparseMoE(cfg, get, f"{prefix}.mlp", ops)
+    return MLP(get, f"{prefix}.mlp", ops)

@@ -1,0 +1,220 @@
+"""Recurrent mixers: Qwen3-Next's gated DeltaNet and Granite's Mamba2, over the state pool.
+
+Each block projects all rows at once (row-tiled GEMMs), then walks the batch's
+requests one by one: causal conv from the request's conv window, then the scan
+through :mod:`kvwarden.layers.chunked_scan` (canonical or vendor-style). Per
+token, everything the scan needs is packed into one feature row, which is what
+the canonical driver keeps for the pending rows of an unfinished grid chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvwarden.cache.state_pool import RecurrentLayerSpec
+from kvwarden.layers import gated_delta, mamba2
+from kvwarden.layers.chunked_scan import canonical_scan, vendor_scan
+from kvwarden.layers.conv1d import causal_conv1d, shape_dependent_conv1d
+from kvwarden.layers.numerics import Ops
+from kvwarden.models.common import ForwardBatch, WeightGetter, require
+from kvwarden.models.config import ModelConfig
+
+Kernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _RecurrentBlock:
+    """Shared walk over the batch's requests: conv window, scan, boundary capture."""
+
+    ops: Ops
+    conv_w: torch.Tensor
+    conv_b: torch.Tensor | None
+
+    def _scan_requests(self, mixed: torch.Tensor, batch: ForwardBatch, layer: int, features: Callable) -> torch.Tensor:
+        """Per request: conv (from its window) -> features -> scan; returns scan outputs per row."""
+        states = batch.states
+        assert states is not None, "a recurrent layer needs the state pool"
+        canonical = self.ops.name == "canonical"
+        outs = []
+        for seq in batch.seqs:
+            rows = mixed[seq.row_start : seq.row_start + seq.num_tokens]
+            conv_state, scan_state = states.views(seq.request_id, layer)
+            window = torch.cat([conv_state.to(rows.dtype), rows])
+            if canonical:
+                conv_out, new_conv = causal_conv1d(rows, conv_state, self.conv_w, self.conv_b, self._silu)
+            else:
+                conv_out, new_conv = shape_dependent_conv1d(rows, conv_state, self.conv_w, self.conv_b)
+            k1 = conv_state.shape[0]
+
+            def capture(pos: int, ssm: torch.Tensor, seq=seq, window=window, k1=k1) -> None:
+                at = pos - seq.start
+                states.stage(seq.request_id, pos, layer, window[at : at + k1], ssm)
+
+            feats = features(conv_out, seq.row_start)
+            if canonical:
+                out = canonical_scan(
+                    feats, seq.start, scan_state, batch.scan_chunk, batch.block_size, self._chunk_kernel, capture
+                )
+            else:
+                out = vendor_scan(feats, seq.start, scan_state, batch.block_size, self._vendor_kernel, capture)
+            conv_state.copy_(new_conv)
+            outs.append(out)
+        return torch.cat(outs)
+
+    def _silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.pointwise(torch.nn.functional.silu, x)
+
+    def _chunk_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _vendor_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class GatedDeltaNetBlock(_RecurrentBlock):
+    """Qwen3-Next linear attention: conv -> gated delta rule -> gated RMSNorm -> out_proj."""
+
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+        assert cfg.gated_deltanet is not None
+        self.g, self.ops, self.eps = cfg.gated_deltanet, ops, cfg.rms_norm_eps
+        self.w_qkvz = require(get, f"{prefix}.in_proj_qkvz.weight")
+        self.w_ba = require(get, f"{prefix}.in_proj_ba.weight")
+        self.conv_w = require(get, f"{prefix}.conv1d.weight").squeeze(1)
+        self.conv_b = get(f"{prefix}.conv1d.bias")
+        self.dt_bias = require(get, f"{prefix}.dt_bias").float()
+        self.neg_a = -torch.exp(require(get, f"{prefix}.A_log").float())
+        self.norm = require(get, f"{prefix}.norm.weight")
+        self.w_out = require(get, f"{prefix}.out_proj.weight")
+
+    def spec(self) -> RecurrentLayerSpec:
+        g = self.g
+        return RecurrentLayerSpec(
+            conv_shape=(g.conv_kernel - 1, g.conv_dim),
+            ssm_shape=(g.num_value_heads, g.key_head_dim, g.value_head_dim),
+            feature_dim=g.conv_dim + 2 * g.num_value_heads,
+        )
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        g, ops = self.g, self.ops
+        rows = h.shape[0]
+        hk, hv, dk, dv = g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim
+        rep = hv // hk
+        qkvz = ops.linear(h, self.w_qkvz).view(rows, hk, 2 * dk + 2 * rep * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, rep * dv, rep * dv], dim=-1)
+        ba = ops.linear(h, self.w_ba).view(rows, hk, 2 * rep)
+        b, a = ba[..., :rep].reshape(rows, hv), ba[..., rep:].reshape(rows, hv)
+        mixed = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], dim=-1)
+        beta = ops.pointwise(torch.sigmoid, b.float())
+        decay = self.neg_a * ops.pointwise(torch.nn.functional.softplus, a.float() + self.dt_bias)
+        gb = torch.cat([decay, beta], dim=-1)
+
+        def features(conv_out: torch.Tensor, r0: int) -> torch.Tensor:
+            return torch.cat([conv_out.float(), gb[r0 : r0 + conv_out.shape[0]]], dim=-1)
+
+        core = self._scan_requests(mixed, batch, layer, features).view(rows * hv, dv)
+        normed = ops.rms_norm(core.to(h.dtype), self.norm, self.eps)
+        gated = normed.float() * self._silu(z.reshape(rows * hv, dv).float())
+        return ops.linear(gated.to(h.dtype).reshape(rows, hv * dv), self.w_out)
+
+    def _unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Packed features -> per-head q, k, v [Hv, L, d], g, beta [Hv, L] (q, k l2-normalised)."""
+        g = self.g
+        hk, hv, dk, dv = g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim
+        length = rows.shape[0]
+        key_dim = hk * dk
+        q = rows[:, :key_dim].reshape(length, hk, dk)
+        k = rows[:, key_dim : 2 * key_dim].reshape(length, hk, dk)
+        v = rows[:, 2 * key_dim : 2 * key_dim + hv * dv].reshape(length, hv, dv)
+        decay = rows[:, g.conv_dim : g.conv_dim + hv]
+        beta = rows[:, g.conv_dim + hv :]
+        q = _l2norm(q, self.ops) * dk**-0.5
+        k = _l2norm(k, self.ops)
+        if hv != hk:
+            q = q.repeat_interleave(hv // hk, dim=1)
+            k = k.repeat_interleave(hv // hk, dim=1)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), decay.t(), beta.t()
+
+    def _chunk_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, decay, beta = (x.contiguous() for x in self._unpack(rows))
+        out, end = gated_delta.chunk_step(q, k, v, decay, beta, state, self.ops.exp)
+        return out.transpose(0, 1).reshape(rows.shape[0], -1), end
+
+    def _vendor_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, decay, beta = (x.contiguous() for x in self._unpack(rows))
+        out, end = gated_delta.shape_dependent_scan(q, k, v, decay, beta, state)
+        return out.transpose(0, 1).reshape(rows.shape[0], -1), end
+
+
+class Mamba2Block(_RecurrentBlock):
+    """Granite's Mamba2 mixer: in_proj -> conv -> SSD scan -> gated group RMSNorm -> out_proj."""
+
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+        assert cfg.mamba2 is not None
+        self.m, self.ops, self.eps = cfg.mamba2, ops, cfg.rms_norm_eps
+        self.w_in, self.b_in = require(get, f"{prefix}.in_proj.weight"), get(f"{prefix}.in_proj.bias")
+        self.conv_w = require(get, f"{prefix}.conv1d.weight").squeeze(1)
+        self.conv_b = get(f"{prefix}.conv1d.bias")
+        self.dt_bias = require(get, f"{prefix}.dt_bias").float()
+        self.a = -torch.exp(require(get, f"{prefix}.A_log").float())
+        self.d = require(get, f"{prefix}.D").float()
+        self.norm = require(get, f"{prefix}.norm.weight")
+        self.w_out, self.b_out = require(get, f"{prefix}.out_proj.weight"), get(f"{prefix}.out_proj.bias")
+
+    def spec(self) -> RecurrentLayerSpec:
+        m = self.m
+        return RecurrentLayerSpec(
+            conv_shape=(m.conv_kernel - 1, m.conv_dim),
+            ssm_shape=(m.num_heads, m.head_dim, m.state_size),
+            feature_dim=m.conv_dim + m.num_heads,
+        )
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        m, ops = self.m, self.ops
+        rows = h.shape[0]
+        proj = ops.linear(h, self.w_in, self.b_in)
+        gate, xbc, dt = torch.split(proj, [m.inner, m.conv_dim, m.num_heads], dim=-1)
+        dt = ops.pointwise(torch.nn.functional.softplus, dt.float() + self.dt_bias)
+        lo, hi = m.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(lo, hi)
+
+        def features(conv_out: torch.Tensor, r0: int) -> torch.Tensor:
+            return torch.cat([conv_out.float(), dt[r0 : r0 + conv_out.shape[0]]], dim=-1)
+
+        y = self._scan_requests(xbc.contiguous(), batch, layer, features)  # [rows, inner]
+        gated = y * self._silu(gate.float())
+        group = m.inner // m.n_groups
+        ones = torch.ones(group, dtype=torch.float32)
+        normed = ops.rms_norm(gated.reshape(rows * m.n_groups, group), ones, self.eps).reshape(rows, m.inner)
+        normed = self.norm * normed.to(h.dtype)
+        return ops.linear(normed, self.w_out, self.b_out)
+
+    def _unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m = self.m
+        length = rows.shape[0]
+        gn = m.n_groups * m.state_size
+        x = rows[:, : m.inner].reshape(length, m.num_heads, m.head_dim).transpose(0, 1)
+        rep = m.num_heads // m.n_groups
+        b = rows[:, m.inner : m.inner + gn].reshape(length, m.n_groups, m.state_size).repeat_interleave(rep, dim=1)
+        c = rows[:, m.inner + gn : m.conv_dim].reshape(length, m.n_groups, m.state_size).repeat_interleave(rep, dim=1)
+        dt = rows[:, m.conv_dim :].t()
+        return x.contiguous(), dt.contiguous(), b.transpose(0, 1).contiguous(), c.transpose(0, 1).contiguous()
+
+    def _chunk_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, dt, b, c = self._unpack(rows)
+        y, end = mamba2.chunk_step(x, dt, self.a, b, c, self.d, state, self.ops.exp)
+        return y.transpose(0, 1).reshape(rows.shape[0], -1), end
+
+    def _vendor_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, dt, b, c = self._unpack(rows)
+        y, end = mamba2.shape_dependent_scan(x, dt, self.a, b, c, self.d, state)
+        return y.transpose(0, 1).reshape(rows.shape[0], -1), end
+
+
+def _l2norm(x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` per head vector (row op, IEEE basic arithmetic)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    norm = ops.rows(lambda t: torch.sqrt((t * t).sum(dim=-1, keepdim=True) + 1e-6), flat)
+    return (flat / norm).view(shape)
