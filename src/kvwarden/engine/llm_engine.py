@@ -70,6 +70,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
+        self.last_scheduled: list[tuple[str, int, int]] = []  # (request, start, end) of the last step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -162,6 +163,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests that progressed or finished."""
         sched = self.scheduler.schedule()
+        self.last_scheduled = [(c.request.request_id, c.start, c.end) for c in sched.chunks]
         outputs = [self._finish(req, "length") for req in sched.out_of_memory]
         if not sched:
             return outputs

@@ -17,6 +17,7 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
 from kvwarden.engine.scheduler import SchedulerOutput
 from kvwarden.layers.attention import SeqAttn, build_plan
+from kvwarden.models.common import TraceSink
 from kvwarden.models.decoder import DecoderModel, ForwardBatch, SeqSlice
 
 
@@ -59,6 +60,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.states = states
+        self.tracer: TraceSink | None = None  # set by tools that trace activations
         self.block_size = block_size
         self.numerics = numerics
         heads, dim = model.kv_shape()
@@ -108,6 +110,7 @@ class ModelRunner:
             states=self.states,
             block_size=self.block_size,
             scan_chunk=self.numerics.scan_chunk,
+            tracer=self.tracer,
         )
         hidden = self.model.forward(batch, self.kv_caches)
         if want_rows:

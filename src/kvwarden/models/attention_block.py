@@ -30,6 +30,7 @@ class AttentionBlock:
         self.q_norm = norm_weight(cfg, get, f"{prefix}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = norm_weight(cfg, get, f"{prefix}.k_norm.weight") if cfg.qk_norm else None
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim**-0.5
+        self.name = "attn"
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
@@ -48,16 +49,25 @@ class AttentionBlock:
         if self.rope is not None:
             q = self.rope.apply(q, batch.positions)
             k = self.rope.apply(k, batch.positions)
+        batch.trace(f"{self.name}.q", q)
+        batch.trace(f"{self.name}.k", k)
+        batch.trace(f"{self.name}.v", v)
         k_cache, v_cache = kv
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         ones = v.new_ones((rows, v.shape[1], 1))  # the ones column of the V cache (see ModelRunner)
         v_cache.index_copy_(0, batch.slot_mapping, torch.cat([v, ones], -1).to(v_cache.dtype))
+        if batch.tracer is not None:  # the context as read, cached positions included
+            for seq, attn_seq in zip(batch.seqs, batch.plan.seqs, strict=True):
+                slots = attn_seq.slots[: seq.start + seq.num_tokens]
+                batch.tracer.record_context(f"{self.name}.k_ctx", seq.request_id, k_cache[slots])
+                batch.tracer.record_context(f"{self.name}.v_ctx", seq.request_id, v_cache[slots, :, :d])
         if ops.name == "canonical":
             nc = ops.config
             o = canonical_attention(q, k_cache, v_cache, batch.plan, self.scale, ops.exp, nc.row_tile, nc.key_tile)
         else:
             o = shape_dependent_attention(q, k_cache, v_cache, batch.plan, self.scale)
         o = o.reshape(rows, -1)
+        batch.trace(f"{self.name}.core", o)
         if gate is not None:
             o = o * ops.pointwise(torch.sigmoid, gate)
         return ops.linear(o, self.wo, self.bo)

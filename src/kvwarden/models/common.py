@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -12,6 +13,16 @@ from kvwarden.layers.attention import AttentionPlan
 from kvwarden.models.config import ModelConfig
 
 WeightGetter = Callable[[str], torch.Tensor | None]
+
+
+class TraceSink(Protocol):
+    """Receives activations when a step is traced (see :mod:`kvwarden.probe.tracer`)."""
+
+    def record(self, name: str, rows: torch.Tensor, seqs: Any) -> None: ...
+
+    def record_context(self, name: str, request_id: str, rows: torch.Tensor) -> None: ...
+
+    def record_at(self, name: str, request_id: str, pos: int, value: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class ForwardBatch:
         states: recurrent working states (hybrid models).
         block_size: KV block size (recurrent states are captured at block boundaries).
         scan_chunk: the canonical scan's chunk size (divides ``block_size``).
+        tracer: when set, hooked activations of the step are recorded into it.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +59,11 @@ class ForwardBatch:
     states: StatePool | None = None
     block_size: int = 16
     scan_chunk: int = 16
+    tracer: TraceSink | None = None
+
+    def trace(self, name: str, rows: torch.Tensor) -> None:
+        if self.tracer is not None:
+            self.tracer.record(name, rows, self.seqs)
 
 
 def require(get: WeightGetter, name: str) -> torch.Tensor:

@@ -30,12 +30,14 @@ class DecoderLayer:
         self.kind = cfg.layer_types[index]
         self.input_norm = norm_weight(cfg, get, f"{prefix}.input_layernorm.weight")
         self.post_norm = norm_weight(cfg, get, f"{prefix}.post_attention_layernorm.weight")
+        self.name = f"L{index}"
         if self.kind == ATTENTION:
             self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope)
         elif self.kind == GATED_DELTANET:
             self.mixer = GatedDeltaNetBlock(cfg, get, f"{prefix}.linear_attn", ops)
         else:
             self.mixer = Mamba2Block(cfg, get, f"{prefix}.mamba", ops)
+        self.mixer.name = f"{self.name}.{'attn' if self.kind == ATTENTION else 'rec'}"
         self.ffn = build_ffn(cfg, get, index, ops)
         self.kv_index = -1  # index into the KV caches (attention layers)
         self.state_index = -1  # index into the state pool (recurrent layers)
@@ -45,13 +47,18 @@ class DecoderLayer:
     ) -> torch.Tensor:
         eps, r = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
         x = self.ops.rms_norm(h, self.input_norm, eps)
+        batch.trace(f"{self.name}.input_norm", x)
         if self.kind == ATTENTION:
             mixed = self.mixer(x, batch, kv[self.kv_index])
         else:
             mixed = self.mixer(x, batch, self.state_index)
+        batch.trace(f"{self.name}.mixer", mixed)
         h = h + mixed * r if r != 1.0 else h + mixed
         out = self.ffn(self.ops.rms_norm(h, self.post_norm, eps))
-        return h + out * r if r != 1.0 else h + out
+        batch.trace(f"{self.name}.ffn", out)
+        h = h + out * r if r != 1.0 else h + out
+        batch.trace(f"{self.name}.out", h)
+        return h
 
 
 class DecoderModel:
@@ -92,9 +99,12 @@ class DecoderModel:
         h = self.embed[batch.input_ids]
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
+        batch.trace("embed", h)
         for layer in self.layers:
             h = layer(h, batch, kv_caches)
-        return self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        h = self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        batch.trace("final_norm", h)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` for selected hidden rows."""

@@ -30,16 +30,21 @@ class _RecurrentBlock:
     ops: Ops
     conv_w: torch.Tensor
     conv_b: torch.Tensor | None
+    name: str = "rec"
 
     def _scan_requests(self, mixed: torch.Tensor, batch: ForwardBatch, layer: int, features: Callable) -> torch.Tensor:
         """Per request: conv (from its window) -> features -> scan; returns scan outputs per row."""
         states = batch.states
         assert states is not None, "a recurrent layer needs the state pool"
         canonical = self.ops.name == "canonical"
+        batch.trace(f"{self.name}.in_proj", mixed)
         outs = []
         for seq in batch.seqs:
             rows = mixed[seq.row_start : seq.row_start + seq.num_tokens]
             conv_state, scan_state = states.views(seq.request_id, layer)
+            if batch.tracer is not None:  # the state this chunk starts from (restored or carried)
+                batch.tracer.record_at(f"{self.name}.state_in", seq.request_id, seq.start, scan_state.ssm)
+                batch.tracer.record_at(f"{self.name}.conv_in", seq.request_id, seq.start, conv_state)
             window = torch.cat([conv_state.to(rows.dtype), rows])
             if canonical:
                 conv_out, new_conv = causal_conv1d(rows, conv_state, self.conv_w, self.conv_b, self._silu)
@@ -60,7 +65,9 @@ class _RecurrentBlock:
                 out = vendor_scan(feats, seq.start, scan_state, batch.block_size, self._vendor_kernel, capture)
             conv_state.copy_(new_conv)
             outs.append(out)
-        return torch.cat(outs)
+        result = torch.cat(outs)
+        batch.trace(f"{self.name}.scan", result)
+        return result
 
     def _silu(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.pointwise(torch.nn.functional.silu, x)
