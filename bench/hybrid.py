@@ -126,7 +126,9 @@ def main() -> None:
         eng.generate([tokens(rng, 16)], ONE)  # warm-up
         seconds, steps = prefill_seconds(eng, prompt)
         captured = eng.engine.states.num_snapshots if eng.engine.states else 0
-        rules.append({"rule": rule, "numerics": numerics, "steps": steps, "seconds": round(seconds, 4), "states": captured})
+        rules.append(
+            {"rule": rule, "numerics": numerics, "steps": steps, "seconds": round(seconds, 4), "states": captured}
+        )
         table.add_row(rule, numerics, str(steps), f"{seconds:.3f}", f"{len(prompt) / seconds:.1f}", str(captured))
     console.print(table)
     result["rules"] = rules

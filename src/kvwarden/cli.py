@@ -70,11 +70,11 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwarden.commands import demo, generate, make_model, serve, trace_divergence
+    from kvwarden.commands import cold_warm, demo, generate, make_model, predict, probe, serve, trace_divergence
 
     parser = argparse.ArgumentParser(prog="kvwarden", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, generate, make_model, serve, trace_divergence):
+    for module in (demo, cold_warm, generate, make_model, predict, probe, serve, trace_divergence):
         module.register(sub)
     return parser
 

