@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col)
     page_rows = []
     for label, pred, cont, history, match, errors, summaries in rows:
-        predicted = f"{'stable' if pred.repeats_stable else 'UNSTABLE'}, {'history-dep.' if pred.history_dependent else 'history-indep.'}"
-        observed = f"{cont.identical}/{cont.runs} identical, {'history-dep.' if history else 'history-indep.'}"
+        predicted = f"{_stable(pred.repeats_stable)}, {_history(pred.history_dependent)}"
+        observed = f"{cont.identical}/{cont.runs} identical, {_history(history)}"
         if cont.first_divergent_token is not None:
             observed += f", first divergent token {cont.first_divergent_token}"
         others = ", ".join(f"{s.arm} {s.identical}/{s.runs}" for s in summaries if s.arm != "contaminated")
@@ -123,3 +123,11 @@ def run(args: argparse.Namespace) -> int:
     page = write_html(out / "report.html", "kvwarden demo: contamination scenario", last, {}, extra)
     console.print(f"\nHTML report: {page.resolve()}")
     return 0 if all(r[4] and not r[5] for r in rows) else 1
+
+
+def _stable(stable: bool) -> str:
+    return "stable" if stable else "UNSTABLE"
+
+
+def _history(dependent: bool) -> str:
+    return "history-dep." if dependent else "history-indep."

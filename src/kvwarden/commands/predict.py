@@ -90,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         verdict = "stable" if pred.repeats_stable else "UNSTABLE"
         history = "history-dependent" if pred.history_dependent else "history-independent"
-        print(
-            f"A={a_len} B={b_len} shared={shared} ({args.rule}, block {args.block_size}, spec {args.num_spec_tokens}): {verdict}, {history}"
-        )
+        setup = f"{args.rule}, block {args.block_size}, spec {args.num_spec_tokens}"
+        print(f"A={a_len} B={b_len} shared={shared} ({setup}): {verdict}, {history}")
         print(f"  A saved state at shared boundaries: {pred.a_saved_state_at or '(none: shared < block)'}")
         print(f"  B cached tokens per run after A: {pred.b_cached_tokens}; alone: {pred.clean_cached_tokens}")
         print(f"  {pred.explanation}")

@@ -159,9 +159,8 @@ def _svg_lines(series: list[list[float]], width: int = 560, height: int = 180, y
             if v == v
         ]
         if pts:
-            paths.append(
-                f'<polyline fill="none" stroke="{colours[i % len(colours)]}" stroke-width="1.5" points="{" ".join(pts)}"/>'
-            )
+            colour = colours[i % len(colours)]
+            paths.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{" ".join(pts)}"/>')
     return (
         f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">'
         f'<line x1="40" y1="{height - 20}" x2="{width - 10}" y2="{height - 20}" stroke="#888"/>'
@@ -179,9 +178,10 @@ def write_html(
     for s in summaries:
         verdict = "error" if s.error else ("stable" if s.stable else "UNSTABLE")
         cached = " ".join("?" if c is None else str(c) for c in s.cached_tokens)
+        first = "-" if s.first_divergent_token is None else s.first_divergent_token
         rows.append(
             f"<tr class='{verdict.lower()}'><td>{html.escape(s.arm)}</td><td>{s.identical}/{s.runs}</td>"
-            f"<td>{s.identical_sorted}/{s.runs}</td><td>{'-' if s.first_divergent_token is None else s.first_divergent_token}</td>"
+            f"<td>{s.identical_sorted}/{s.runs}</td><td>{first}</td>"
             f"<td>{cached}</td><td>{verdict}{(': ' + html.escape(s.error)) if s.error else ''}</td></tr>"
         )
     plots = []

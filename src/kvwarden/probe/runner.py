@@ -14,6 +14,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ def response_record(arm: str, attempt: str, step: int, run: int, measured: bool,
     }
 
 
+@contextmanager
 def _serve(
     target: Target, arm: Arm, run_dir: Path, attempt: str
 ) -> Iterator[tuple[str, dict[str, Any], RunningServer | None]]:
@@ -119,7 +121,7 @@ def run_arm(
     log.append({"type": "arm_start", "arm": arm.name, "attempt": attempt, "server": arm.server.__dict__})
     server: RunningServer | None = None
     try:
-        for url, extra, server in _serve(target, arm, run_dir, attempt):
+        with _serve(target, arm, run_dir, attempt) as (url, extra, server):
             client = Client(url, target.api_key)
             name = target.served_name or client.model_name()
             noise_pool = noise_prompts(max(s.concurrent_noise for s in arm.steps), target.tokenizer)
