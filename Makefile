@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvwarden-installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install engines clean
 
 install: $(STAMP)
 
@@ -25,7 +25,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvwarden demo
 
-test: $(STAMP)
+# Real engines for the probe's slow tier (tests/test_real_engines.py): llama.cpp's
+# llama-server built from the llama-cpp-python sdist, and vLLM's CPU build in its own venv.
+engines: $(STAMP)
+	PYTHON=$(PY) scripts/build_llama_server.sh
+	scripts/install_vllm.sh
+
+test: $(STAMP) engines
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 	$(PY) -m pytest -q
@@ -35,4 +41,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format src tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .engines .pytest_cache .ruff_cache .hypothesis

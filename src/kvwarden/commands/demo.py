@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwarden.probe.builtin import Shape, build, prompts
     from kvwarden.probe.launchers import KvwardenLauncher, ServerSettings
     from kvwarden.probe.predict import predict_pair
-    from kvwarden.probe.report import cross_arm, summarize, write_html
+    from kvwarden.probe.report import contamination_verdict, cross_arm, summarize, write_html
     from kvwarden.probe.runner import Target, run_probe
 
     console = Console(width=None if Console().is_terminal else 150)
@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
         write_html(run_dir / "report.html", f"{label}", summaries, cross)
         pred = predict_pair(rule, args.block_size, len(a), len(b), args.shared, args.num_speculative_tokens)
         cont = next(s for s in summaries if s.arm == "contaminated")
-        observed_history = not cross.get("contaminated", True) or not cont.stable
-        match = pred.repeats_stable == cont.stable and pred.history_dependent == observed_history
         errors = [s.arm for s in summaries if s.error]
+        observed_stable, observed_history = contamination_verdict(summaries) if not errors else (False, True)
+        match = pred.repeats_stable == observed_stable and pred.history_dependent == observed_history
         rows.append((label, pred, cont, observed_history, match, errors, summaries))
         sections.append(
             f'<li><a href="{html.escape(str(run_dir.relative_to(out)))}/report.html">{html.escape(label)}</a></li>'

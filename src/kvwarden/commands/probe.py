@@ -43,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunking", choices=CHUNKING_RULES, help="kvwarden launcher only")
     p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only")
     p.add_argument("--num-speculative-tokens", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server dtype (vLLM serves Qwen3-Next in bfloat16)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
     p.add_argument("--json", action="store_true", help="print the per-arm summary as JSON")
     p.add_argument("--no-progress", action="store_true")
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         chunking=args.chunking,
         numerics=args.numerics,
         num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype,
         extra_args=tuple(args.server_arg),
     )
     model = args.model
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     )
     out = args.out or Path("runs") / f"probe-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    console = Console()
+    console = Console(stderr=args.json)  # with --json, stdout carries only the JSON summary
     console.print(f"kvwarden probe: scenario {scenario.name}, {len(scenario.arms)} arms -> {out}")
     records = run_probe(scenario, target, out, show_progress=not args.no_progress)
     summaries = summarize(records, [a.name for a in scenario.arms])

@@ -63,6 +63,27 @@ QWEN3_NEXT_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Dimensions that vLLM's CPU kernels accept (attention head 64, linear-attention heads 128),
+# so the same checkpoint can be served by vLLM and kvwarden side by side.
+QWEN3_NEXT_PRESETS["compat"] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 1,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "mlp_only_layers": [0],
+}
+
 GRANITE_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "hidden_size": 64,
@@ -119,6 +140,7 @@ def qwen3_next_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, 
 
 
 def granite_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any]:
+    preset = "small" if preset == "compat" else preset
     return {
         "architectures": ["GraniteMoeHybridForCausalLM"],
         "model_type": "granitemoehybrid",

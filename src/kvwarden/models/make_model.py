@@ -21,7 +21,7 @@ from kvwarden.models.bundled import corpus_text
 from kvwarden.models.make_hybrid import Init, granite_config, granite_weights, qwen3_next_config, qwen3_next_weights
 
 ARCHS = ("llama", "qwen3", "qwen3_next", "granite_hybrid")
-PRESETS = ("tiny", "small")
+PRESETS = ("tiny", "small", "compat")  # compat: dims that vLLM's CPU kernels accept
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -47,7 +47,7 @@ class Preset:
 # Tiny presets run a whole test in milliseconds; small ones are the benchmark size.
 # Qwen3 presets use a head_dim different from hidden/heads and tied embeddings,
 # Llama presets untied embeddings, so the presets between them cover both cases.
-VOCAB_SIZES = {"tiny": 1024, "small": 2048}
+VOCAB_SIZES = {"tiny": 1024, "small": 2048, "compat": 2048}
 
 PRESET_TABLE: dict[tuple[str, str], Preset] = {
     ("llama", "tiny"): Preset(1024, 64, 128, 2, 4, 2, 16, 4096, False),
@@ -167,7 +167,7 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
     elif arch == "granite_hybrid":
         cfg = granite_config(preset, vocab, eos, bos)
     else:
-        cfg = hf_config(arch, PRESET_TABLE[(arch, preset)], vocab, eos, bos)
+        cfg = hf_config(arch, PRESET_TABLE[(arch, "small" if preset == "compat" else preset)], vocab, eos, bos)
     save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, bos]})

@@ -37,6 +37,7 @@ class ServerSettings:
     num_speculative_tokens: int = 2
     chunking: str | None = None  # kvwarden only
     numerics: str | None = None  # kvwarden only
+    dtype: str | None = None
     extra_args: tuple[str, ...] = ()
 
     def replace(self, **changes: Any) -> ServerSettings:
@@ -73,7 +74,12 @@ class RunningServer:
             if self.process.poll() is not None:
                 raise ServerFailed(f"server exited with {self.process.returncode}:\n{log_tail(self.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                # /health answers 503 while a server is still loading (llama.cpp); servers without
+                # it (404) are ready when they list their models.
+                health = httpx.get(f"{self.url}/health", timeout=2).status_code
+                if health == 200 or (
+                    health == 404 and httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200
+                ):
                     return
             time.sleep(0.5)
         self.stop()
@@ -141,6 +147,8 @@ class KvwardenLauncher(Launcher):
             cmd += ["--chunking", s.chunking]
         if s.numerics:
             cmd += ["--numerics", s.numerics]
+        if s.dtype:
+            cmd += ["--dtype", s.dtype]
         if s.speculative or s.chunking in ("legacy-align", "legacy-align-fixed"):
             # kvwarden does not speculate; the count parameterises the legacy rule's pull-back.
             cmd += ["--num-speculative-tokens", str(s.num_speculative_tokens)]
@@ -170,7 +178,7 @@ class VllmLauncher(Launcher):
             "127.0.0.1",
         ]
         cmd += ["--port", str(port), "--block-size", str(s.block_size or 32), "--max-model-len", "2048"]
-        cmd += ["--dtype", "float32", "--enable-prompt-tokens-details", "--seed", "0"]
+        cmd += ["--dtype", s.dtype or "float32", "--enable-prompt-tokens-details", "--seed", "0"]
         cmd.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
         if s.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]

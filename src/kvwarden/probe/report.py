@@ -116,6 +116,20 @@ def cross_arm(summaries: list[ArmSummary], names: tuple[str, ...]) -> dict[str, 
     return {n: bool(by[n].fingerprints) and by[n].fingerprints[0] == ref for n in names[1:] if n in by}
 
 
+def contamination_verdict(summaries: list[ArmSummary]) -> tuple[bool, bool]:
+    """Observed (repeats stable, history dependent) of a contamination run, as the predictor states them.
+
+    B's repeats after A are stable if the contaminated arm is; B's runs are
+    history-dependent if any of them differs from B's first run in the clean arm.
+    """
+    by = {s.arm: s for s in summaries}
+    clean, cont = by["clean"], by["contaminated"]
+    if clean.error or cont.error:
+        raise ValueError(f"arm failed: {clean.error or cont.error}")
+    reference = clean.fingerprints[0]
+    return cont.stable, any(fp != reference for fp in cont.fingerprints)
+
+
 def print_table(title: str, summaries: list[ArmSummary], console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=title)

@@ -41,6 +41,7 @@ SERVER_FIELDS = {
     "num_speculative_tokens",
     "chunking",
     "numerics",
+    "dtype",
     "extra_args",
 }
 

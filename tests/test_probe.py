@@ -1,0 +1,193 @@
+"""The probe against kvwarden servers it starts itself: scenarios, reports, resume, failures,
+and the closed loop between the predictor and what the probe observes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvwarden.models.make_model import make_model
+from kvwarden.models.tokenizer import Tokenizer
+from kvwarden.probe.builtin import Shape, build, prompts
+from kvwarden.probe.launchers import KvwardenLauncher, ServerSettings, TemplateLauncher, free_port
+from kvwarden.probe.predict import predict_pair
+from kvwarden.probe.report import contamination_verdict, summarize
+from kvwarden.probe.runner import RecordLog, Target, run_probe
+from kvwarden.probe.scenario import ScenarioError, load_scenario
+
+LEGACY = ServerSettings(
+    block_size=16,
+    max_num_batched_tokens=512,
+    chunking="legacy-align",
+    numerics="shape-dependent",
+    num_speculative_tokens=1,
+)
+
+
+@pytest.fixture(scope="module")
+def hybrid(models_root: Path) -> Path:
+    out = models_root / "qwen3_next-tiny-s0"
+    if not (out / "model.safetensors").is_file():
+        make_model("qwen3_next", "tiny", 0, out)
+    return out
+
+
+def _probe(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--no-progress", "--out", str(tmp), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+
+
+def test_cli_contamination_on_the_legacy_reproduction_flags_it(hybrid: Path, tmp_path: Path) -> None:
+    args = ["--launcher", "kvwarden", "--model", str(hybrid), "--chunking", "legacy-align"]
+    args += ["--numerics", "shape-dependent", "--block-size", "16", "--max-num-batched-tokens", "512"]
+    args += ["--num-speculative-tokens", "1", "--repeats", "4", "--json"]
+    done = _probe(args, tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr  # an unstable arm
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    arms = {a["arm"]: a for a in summary["arms"]}
+    assert arms["clean"]["stable"] and arms["no-cache"]["stable"]
+    assert not arms["contaminated"]["stable"]
+    assert arms["contaminated"]["cached_tokens"][0] == 0 and arms["contaminated"]["first_divergent_token"] == 0
+    assert arms["no-cache"]["cached_tokens"] == [0, 0, 0, 0]
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    responses = [r for r in records if r["type"] == "response"]
+    assert len(responses) == 4 + 5 + 4 and all(len(r["tops"][0]) == 20 for r in responses)
+    assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # a fresh server per arm, log kept
+    page = (tmp_path / "report.html").read_text()
+    assert "UNSTABLE" in page and "<svg" in page and "candidate-set churn" in page
+
+
+def test_kvwarden_defaults_pass_every_builtin(hybrid: Path, tmp_path: Path) -> None:
+    for scenario in ("contamination", "batch", "budget", "repeat"):
+        args = ["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", scenario, "--repeats", "3"]
+        done = _probe(args, tmp_path / scenario)
+        assert done.returncode == 0, f"{scenario}: {done.stdout}{done.stderr}"
+        summary = json.loads((tmp_path / scenario / "summary.json").read_text())
+        assert all(summary["cross_arm"].values()), scenario
+
+
+def _pairs() -> list[Shape]:
+    """Eight (A, B, shared) triples on documents the rule code never saw, aimed around block edges."""
+    # predicted under vllm-align (block 16, pull-back 1): five unstable, one stable but history-dependent,
+    # two stable and history-independent (A's first chunk is exactly B's first chunk)
+    triples = [
+        (20, 60, 18),
+        (28, 60, 24),
+        (31, 60, 24),
+        (33, 60, 24),
+        (40, 70, 36),
+        (47, 70, 40),
+        (50, 60, 40),
+        (55, 62, 45),
+    ]
+    return [Shape(a, b, s, document=2 + i, other=12 - i) for i, (a, b, s) in enumerate(triples)]
+
+
+@pytest.mark.parametrize(("settings", "rule"), [(LEGACY, "vllm-align"), (ServerSettings(block_size=16), "kvwarden")])
+def test_closed_loop_predictions_equal_observations(
+    hybrid: Path, tmp_path: Path, settings: ServerSettings, rule: str
+) -> None:
+    tok = Tokenizer.from_dir(hybrid)
+    mismatches = []
+    for i, shape in enumerate(_pairs()):
+        scenario = build("contamination", settings, tok, shape, repeats=3, max_tokens=4)
+        scenario = type(scenario)(scenario.name, scenario.requests, scenario.arms[:2], 4, 20, ("clean", "contaminated"))
+        records = run_probe(
+            scenario, Target(launcher=KvwardenLauncher(), model=str(hybrid), tokenizer=tok), tmp_path / str(i), False
+        )
+        observed = contamination_verdict(summarize(records, ["clean", "contaminated"]))
+        a, b = prompts(shape, tok)
+        pred = predict_pair(
+            rule, 16, len(a), len(b), shape.shared, settings.num_speculative_tokens if rule != "kvwarden" else 0
+        )
+        if (pred.repeats_stable, pred.history_dependent) != observed:
+            mismatches.append((shape, (pred.repeats_stable, pred.history_dependent), observed, pred.explanation))
+        if rule == "kvwarden":
+            assert observed == (True, False)
+    assert not mismatches, mismatches
+
+
+def test_scenario_file_and_its_errors(tmp_path: Path, hybrid: Path) -> None:
+    good = tmp_path / "s.yaml"
+    good.write_text(
+        "name: lease\nmax_tokens: 4\nserver: {block_size: 16}\n"
+        "documents:\n  lease: {bundled: 1}\n  note: {text: 'A short note about the boiler.'}\n"
+        "requests:\n  A: {document: lease, question: 'Who signed it?'}\n"
+        "  B: {document: note, question: 'What broke?'}\n"
+        "arms:\n  clean: {steps: [{request: B, repeat: 3}]}\n"
+        "  contaminated: {steps: [{request: A}, {request: B, repeat: 3}]}\n"
+        "compare_arms: [clean, contaminated]\n"
+    )
+    scenario = load_scenario(good)
+    assert [a.name for a in scenario.arms] == ["clean", "contaminated"] and scenario.arms[1].measured_step == 1
+    done = _probe(["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", str(good)], tmp_path / "run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    bad_cases = {
+        "arms:\n  x: {steps: [{request: Z}]}\nrequests:\n  A: {prompt: 'hi'}\n": (
+            "s1.yaml:2",
+            "arms.x.steps[0].request",
+            "unknown request 'Z'",
+        ),
+        "requests:\n  A: {prompt: 'hi'}\narms:\n  x: {steps: [{request: A, repeat: 'two'}]}\n": (
+            "s2.yaml:4",
+            "repeat",
+            "expected int",
+        ),
+        "requests:\n  A: {prompt: hi}\nbogus: 1\narms: {}\n": ("s3.yaml:3", "bogus", "unknown field"),
+        "requests:\n  A: {document: nope}\narms: {}\n": ("s4.yaml:2", "requests.A.document", "unknown document"),
+        "requests: [1,\n": ("s5.yaml:", "not valid YAML", ""),
+    }
+    for i, (text, (where, field, message)) in enumerate(bad_cases.items(), start=1):
+        path = tmp_path / f"s{i}.yaml"
+        path.write_text(text)
+        with pytest.raises(ScenarioError) as err:
+            load_scenario(path)
+        assert where in str(err.value) and field in str(err.value) and message in str(err.value), str(err.value)
+    toml = tmp_path / "t.toml"
+    toml.write_text('[requests.A]\nprompt = "hi"\n[arms.x]\nsteps = [{request = "A", repeat = 0}]\n')
+    with pytest.raises(ScenarioError, match=r"t.toml:4: arms.x.steps\[0\].repeat"):
+        load_scenario(toml)
+    cli = _probe(
+        ["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", str(tmp_path / "s1.yaml")], tmp_path / "bad"
+    )
+    assert cli.returncode == 2 and "s1.yaml:2" in cli.stderr
+
+
+def test_unreachable_and_crashing_servers_are_reported_and_nothing_is_lost(tmp_path: Path, hybrid: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    done = _probe(
+        ["--url", url, "--served-model-name", "m", "--scenario", "repeat", "--repeats", "2"], tmp_path / "down"
+    )
+    assert done.returncode == 2
+    assert (
+        ("error" in done.stdout
+        and "ConnectError" in (tmp_path / "down" / "records.jsonl").read_text())
+        or "connect" in done.stdout.lower()
+    )
+    crash = f"{sys.executable} -c \"import sys; print('boom: cannot bind {{port}}'); sys.exit(3)\""
+    done = _probe(
+        ["--launcher", "custom", "--command", crash, "--model", "x", "--scenario", "repeat", "--repeats", "2"],
+        tmp_path / "crash",
+    )
+    assert done.returncode == 2
+    errors = [r for r in RecordLog(tmp_path / "crash" / "records.jsonl").read() if r["type"] == "arm_error"]
+    assert errors and "exited with 3" in errors[0]["error"] and "boom: cannot bind" in errors[0]["error"]
+    # resume: a finished run skips its arms, keeps every earlier record and starts no server
+    run = tmp_path / "resume"
+    args = ["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", "repeat", "--repeats", "2"]
+    assert _probe(args, run).returncode == 0
+    before = (run / "records.jsonl").read_text()
+    with (run / "records.jsonl").open("a") as f:
+        f.write('{"type": "response", "arm": "repeat", "trunc')  # a record cut by a crash
+    assert _probe(args, run).returncode == 0
+    after = (run / "records.jsonl").read_text()
+    assert after.startswith(before) and len(list((run / "logs").glob("*.log"))) == 1
+
+
+def test_command_template_launcher_needs_a_port() -> None:
+    with pytest.raises(ValueError, match="must contain"):
+        TemplateLauncher("server --model {model}")
