@@ -164,10 +164,8 @@ def test_unreachable_and_crashing_servers_are_reported_and_nothing_is_lost(tmp_p
     )
     assert done.returncode == 2
     assert (
-        ("error" in done.stdout
-        and "ConnectError" in (tmp_path / "down" / "records.jsonl").read_text())
-        or "connect" in done.stdout.lower()
-    )
+        "error" in done.stdout and "ConnectError" in (tmp_path / "down" / "records.jsonl").read_text()
+    ) or "connect" in done.stdout.lower()
     crash = f"{sys.executable} -c \"import sys; print('boom: cannot bind {{port}}'); sys.exit(3)\""
     done = _probe(
         ["--launcher", "custom", "--command", crash, "--model", "x", "--scenario", "repeat", "--repeats", "2"],

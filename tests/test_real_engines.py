@@ -148,3 +148,25 @@ def test_vllm_cpu_ngram_speculation_on_qwen3_next_is_flagged(
     a = arms(summary)
     assert a["spec-off"]["stable"] and a["spec-off"]["texts_identical"]
     assert not a["spec-on"]["stable"] and not a["spec-on"]["texts_identical"]  # different greedy text run to run
+
+
+def test_vllm_align_mode_cache_hits_match_the_predictor(
+    vllm_ready: Path, compat_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """vLLM picks 288-token blocks for this hybrid (attention page >= mamba page); no speculation with
+    prefix caching on CPU. The predictor's rule code must reproduce vLLM's hybrid cache hits exactly."""
+    from kvwarden.probe.predict import predict_pair
+
+    model = str(compat_models["qwen3_next"])
+    args = ["--launcher", "vllm", "--model", model, "--dtype", "bfloat16", "--scenario", "contamination"]
+    args += ["--a-len", "720", "--b-len", "1000", "--shared", "620", "--repeats", "3"]
+    code, summary = probe(tmp_path / "c", *args)
+    a = arms(summary)
+    pred = predict_pair("vllm-align", 288, 720, 1000, 620, max_num_batched_tokens=2048, repeats=3)
+    assert a["clean"]["cached_tokens"] == pred.clean_cached_tokens == [0, 864, 864]
+    assert a["contaminated"]["cached_tokens"] == pred.b_cached_tokens == [576, 864, 864]
+    assert a["no-cache"]["cached_tokens"] == [0, 0, 0]
+    # Measured here: vLLM's CPU kernels give the same bits although B's cached KV came from A's
+    # chunk (the predictor, which assumes chunk-shape-dependent kernels, says "history-dependent").
+    assert code == 0 and summary["cross_arm"] == {"contaminated": True}
+    assert pred.history_dependent and pred.repeats_stable
