@@ -40,6 +40,16 @@ def llama_small(models_root: Path) -> Path:
     return _made(models_root, "llama", "small")
 
 
+@pytest.fixture(scope="session")
+def qwen3_next_tiny(models_root: Path) -> Path:
+    return _made(models_root, "qwen3_next", "tiny")
+
+
+@pytest.fixture(scope="session", params=["qwen3_next", "granite_hybrid"])
+def hybrid_tiny(request: pytest.FixtureRequest, models_root: Path) -> Path:
+    return _made(models_root, request.param, "tiny")
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def dense_tiny(request: pytest.FixtureRequest, llama_tiny: Path, qwen3_tiny: Path) -> Path:
     return llama_tiny if request.param == "llama" else qwen3_tiny

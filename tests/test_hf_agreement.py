@@ -6,14 +6,14 @@ Checkpoints are written by transformers (``save_pretrained``) and by our
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvwarden import LLM, SamplingParams
+from kvwarden import LLM
+from reference import assert_agrees, save_random_checkpoint
 
 BASE: dict[str, Any] = {
     "vocab_size": 1024,
@@ -56,44 +56,22 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _init(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    # Larger than HF's default init so logits are far from uniform and the comparison is meaningful.
+    if p.dim() > 1:
+        return torch.randn(p.shape, generator=gen) * 0.2
+    return 1.0 + torch.randn(p.shape, generator=gen) * 0.1
+
+
 def _hf_checkpoint(tmp_path: Path, tokenizer_dir: Path, arch: str, overrides: dict[str, Any]) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
 
     cfg = (LlamaConfig if arch == "llama" else Qwen3Config)(**{**BASE, **overrides})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        # Larger than HF's default init so logits are far from uniform and the
-        # comparison is meaningful.
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            else:
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
-    out = tmp_path / "ckpt"
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
-    return out
+    return save_random_checkpoint(cfg, tmp_path / "ckpt", tokenizer_dir, _init)
 
 
-def _compare(model_dir: Path, prompt: list[int], max_new: int = 12) -> None:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        ref = hf(ids).logits[0].float()
-    llm = LLM(str(model_dir), block_size=16, max_num_batched_tokens=48)
-    ours = llm.score(prompt)
-    assert ours.shape == ref.shape
-    delta = (ours - ref).abs().max().item()
-    assert delta <= 1e-4, f"max |logit delta| {delta}"
-    with torch.no_grad():
-        hf_greedy = hf.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None)[0, len(prompt) :]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy.tolist()
+def _compare(model_dir: Path, prompt: list[int]) -> None:
+    assert_agrees(model_dir, prompt, budgets=(48,), tol=1e-4, logprobs=False, max_new=12)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

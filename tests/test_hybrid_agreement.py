@@ -6,15 +6,15 @@ from our ``make-model``; kvwarden loads both with its real loader.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvwarden import LLM, SamplingParams
+from kvwarden import LLM
 from kvwarden.models.make_model import make_model
+from reference import assert_agrees, save_random_checkpoint
 
 QWEN3_NEXT_BASE: dict[str, Any] = {
     "vocab_size": 1024,
@@ -76,47 +76,27 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _init(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("A_log"):
+        return torch.log(1.0 + 4.0 * torch.rand(p.shape, generator=gen))
+    if p.dim() > 1:
+        return torch.randn(p.shape, generator=gen) * 0.7 / p.shape[-1] ** 0.5
+    return 1.0 + torch.randn(p.shape, generator=gen) * 0.1
+
+
 def _checkpoint(tmp_path: Path, tokenizer_dir: Path, family: str, overrides: dict[str, Any]) -> Path:
-    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Qwen3NextConfig
+    from transformers import GraniteMoeHybridConfig, Qwen3NextConfig
 
     if family == "qwen3_next":
         cfg = Qwen3NextConfig(**{**QWEN3_NEXT_BASE, **overrides})
     else:
         cfg = GraniteMoeHybridConfig(**{**GRANITE_BASE, **overrides})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(1.0 + 4.0 * torch.rand(p.shape, generator=gen)))
-            elif p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.7 / p.shape[-1] ** 0.5)
-            else:
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
-    out = tmp_path / "ckpt"
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
-    return out
+    return save_random_checkpoint(cfg, tmp_path / "ckpt", tokenizer_dir, _init)
 
 
-def _compare(model_dir: Path, prompt: list[int], max_new: int = 10) -> None:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
-    for budget in (512, 23):  # one chunk, and chunks that cut the scan grid mid-chunk
-        llm = LLM(str(model_dir), block_size=16, max_num_batched_tokens=budget)
-        ours = torch.log_softmax(llm.score(prompt), dim=-1)
-        delta = (ours - ref).abs().max().item()
-        assert delta <= 1e-3, f"budget {budget}: max |logprob delta| {delta}"
-    with torch.no_grad():
-        hf_greedy = hf.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None)[0, len(prompt) :]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy.tolist()
+def _compare(model_dir: Path, prompt: list[int]) -> None:
+    # 512: one chunk; 23: chunks that cut the scan grid mid-chunk
+    assert_agrees(model_dir, prompt, budgets=(512, 23), tol=1e-3, logprobs=True)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

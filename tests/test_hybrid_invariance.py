@@ -14,19 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwarden import LLM, RequestOutput, SamplingParams
-from kvwarden.models.make_model import make_model
 from kvwarden.probe.fingerprint import first_divergence
 from util import assert_same, exact, random_tokens
 
 PROPERTY = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="session", params=["qwen3_next", "granite_hybrid"])
-def hybrid_tiny(request: pytest.FixtureRequest, models_root: Path) -> Path:
-    out = models_root / f"{request.param}-tiny-s0"
-    if not (out / "model.safetensors").is_file():
-        make_model(request.param, "tiny", 0, out)
-    return out
 
 
 def _params(seeded: bool, seed: int, max_tokens: int = 8) -> SamplingParams:

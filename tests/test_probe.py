@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvwarden.models.make_model import make_model
 from kvwarden.models.tokenizer import Tokenizer
 from kvwarden.probe.builtin import Shape, build, prompts
 from kvwarden.probe.launchers import KvwardenLauncher, ServerSettings, TemplateLauncher, free_port
@@ -29,11 +28,8 @@ LEGACY = ServerSettings(
 
 
 @pytest.fixture(scope="module")
-def hybrid(models_root: Path) -> Path:
-    out = models_root / "qwen3_next-tiny-s0"
-    if not (out / "model.safetensors").is_file():
-        make_model("qwen3_next", "tiny", 0, out)
-    return out
+def hybrid(qwen3_next_tiny: Path) -> Path:
+    return qwen3_next_tiny
 
 
 def _probe(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:

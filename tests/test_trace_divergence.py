@@ -7,18 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from kvwarden.models.make_model import make_model
 from kvwarden.probe.divergence import contamination_study, describe
-
-
-@pytest.fixture(scope="module")
-def qwen3_next_tiny(models_root: Path) -> Path:
-    out = models_root / "qwen3_next-tiny-s0"
-    if not (out / "model.safetensors").is_file():
-        make_model("qwen3_next", "tiny", 0, out)
-    return out
 
 
 def test_legacy_reproduction_is_traced_to_the_attention_context(qwen3_next_tiny: Path) -> None:

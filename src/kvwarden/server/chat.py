@@ -13,9 +13,9 @@ from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.server.async_engine import AsyncEngine
-from kvwarden.server.formatting import DeltaTracker, TokenText, chat_logprobs, choice_params, sampling_params, usage
+from kvwarden.server.formatting import TokenText, chat_logprobs, choice_params, sampling_params, usage
 from kvwarden.server.protocol import ApiError, ChatCompletionRequest
-from kvwarden.server.streams import EventStream, Job, collect, merged, until_disconnected
+from kvwarden.server.streams import EventStream, Job, choice_deltas, collect, until_disconnected
 
 
 class ChatCompletions:
@@ -106,17 +106,10 @@ class ChatCompletions:
                     }
                 ]
             )
-        hold = max((len(s) for s in jobs[0].params.stop), default=1) - 1
-        trackers = {job.index: DeltaTracker(hold=hold) for job in jobs}
         finals: dict[int, RequestOutput] = {}
-        events = merged(self.engine, jobs, rid)
+        events = choice_deltas(self.engine, jobs, rid)
         async with contextlib.aclosing(events):
-            async for index, out in events:
-                tracker = trackers[index]
-                text = tracker.text_delta(out)
-                new = tracker.new_tokens(out)
-                if not text and not new and not out.finished:
-                    continue
+            async for index, text, new, out in events:
                 logprobs = None
                 if req.logprobs and out.logprobs is not None:
                     logprobs = chat_logprobs(

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.formatting import (
-    DeltaTracker,
     TokenText,
     choice_params,
     completion_logprobs,
@@ -22,7 +21,7 @@ from kvwarden.server.formatting import (
     usage,
 )
 from kvwarden.server.protocol import ApiError, CompletionRequest
-from kvwarden.server.streams import EventStream, Job, collect, merged, until_disconnected
+from kvwarden.server.streams import EventStream, Job, choice_deltas, collect, until_disconnected
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -112,16 +111,11 @@ class Completions:
     async def _stream(
         self, req: CompletionRequest, jobs: list[Job], rid: str, token_text: TokenText, prompts: list[list[int]]
     ) -> AsyncGenerator[dict[str, Any], None]:
-        hold = max((len(s) for s in jobs[0].params.stop), default=1) - 1
-        trackers = {job.index: DeltaTracker(hold=hold) for job in jobs}
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
-        events = merged(self.engine, jobs, rid)
+        events = choice_deltas(self.engine, jobs, rid)
         async with contextlib.aclosing(events):
-            async for index, out in events:
-                tracker = trackers[index]
-                text = tracker.text_delta(out)
-                new = tracker.new_tokens(out)
+            async for index, text, new, out in events:
                 logprobs = None
                 if req.logprobs is not None and out.logprobs is not None:
                     logprobs = completion_logprobs(
@@ -130,8 +124,6 @@ class Completions:
                         [out.logprobs[i] for i in new],
                         token_text,
                     )
-                if not text and not new and not out.finished:
-                    continue
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason

@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.server.async_engine import AsyncEngine, QueueFullError
+from kvwarden.server.formatting import DeltaTracker
 from kvwarden.server.protocol import ApiError
 
 T = TypeVar("T")
@@ -68,6 +69,26 @@ async def merged(engine: AsyncEngine, jobs: list[Job], prefix: str) -> AsyncIter
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def choice_deltas(
+    engine: AsyncEngine, jobs: list[Job], prefix: str
+) -> AsyncGenerator[tuple[int, str, list[int], RequestOutput], None]:
+    """``(choice index, new text, indices of new tokens, output)`` whenever a choice has news.
+
+    Text is held back while a stop string could still claim it (see
+    :class:`kvwarden.server.formatting.DeltaTracker`).
+    """
+    hold = max((len(s) for s in jobs[0].params.stop), default=1) - 1
+    trackers = {job.index: DeltaTracker(hold=hold) for job in jobs}
+    events = merged(engine, jobs, prefix)
+    async with contextlib.aclosing(events):
+        async for index, out in events:
+            tracker = trackers[index]
+            text = tracker.text_delta(out)
+            new = list(tracker.new_tokens(out))
+            if text or new or out.finished:
+                yield index, text, new, out
 
 
 async def collect(engine: AsyncEngine, jobs: list[Job], prefix: str) -> dict[int, RequestOutput]:
