@@ -108,16 +108,6 @@ class BlockPool:
         block.token_ids = token_ids
         self._cached[block_hash] = block.block_id
 
-    def reset_cache(self) -> int:
-        """Forget every cached block that no request holds; returns how many."""
-        dropped = 0
-        for block_id in list(self._free):
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
-                dropped += 1
-        return dropped
-
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block.block_id:

@@ -45,7 +45,6 @@ class Request(CacheView):
     prompt_token_ids: list[int] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
-    arrival_index: int = 0
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TopLogprobs] = field(default_factory=list)

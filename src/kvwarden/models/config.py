@@ -112,10 +112,6 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def is_hybrid(self) -> bool:
-        return any(t != ATTENTION for t in self.layer_types)
-
-    @property
     def attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == ATTENTION]
 

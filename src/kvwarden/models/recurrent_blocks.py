@@ -21,8 +21,6 @@ from kvwarden.layers.numerics import Ops
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
 from kvwarden.models.config import ModelConfig
 
-Kernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
 
 class _RecurrentBlock:
     """Shared walk over the batch's requests: conv window, scan, boundary capture."""

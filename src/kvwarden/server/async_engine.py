@@ -75,10 +75,6 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def num_pending(self) -> int:
-        with self._streams_lock:
-            return len(self._streams)
-
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:

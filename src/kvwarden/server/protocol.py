@@ -7,7 +7,7 @@ clients send fields a server may not know.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,7 +39,6 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
 StopField = str | list[str] | None
 
 
