@@ -17,7 +17,7 @@ from kvwarden import LLM, RequestOutput, SamplingParams
 from kvwarden.probe.fingerprint import first_divergence
 from util import assert_same, exact, random_tokens
 
-PROPERTY = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+PROPERTY = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _params(seeded: bool, seed: int, max_tokens: int = 8) -> SamplingParams:

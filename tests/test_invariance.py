@@ -18,7 +18,7 @@ from kvwarden import LLM, RequestOutput, SamplingParams
 from util import assert_same, exact, random_tokens
 
 VOCAB = 1000
-PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _params(seeded: bool, seed: int, max_tokens: int = 8) -> SamplingParams:
