@@ -73,3 +73,18 @@ def test_cumsum_is_a_sequential_float64_fold() -> None:
     assert torch.equal(torch.cumsum(x, dim=1)[:, -1], acc.float())
     padded = torch.cat([x, torch.zeros(3, 20, 7)], dim=1)
     assert torch.equal(torch.cumsum(padded, dim=1)[:, -1], acc.float())
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("rep", [1, 2, 3, 4])
+def test_attention_scores_do_not_depend_on_the_key_count(head_dim: int, rep: int) -> None:
+    """The canonical kernel's q.k product has fixed rows (rep * 16) and inner size (head_dim) but as many
+    columns as the group's keys: a score must not depend on that column count, nor on the batch count."""
+    m = rep * 16
+    gen = torch.Generator().manual_seed(head_dim * 10 + rep)
+    q = torch.randn(3, m, head_dim, generator=gen)
+    k = torch.randn(3, head_dim, 4096, generator=gen)
+    full = _bits(torch.bmm(q, k))
+    for n in (16, 32, 48, 160, 512, 1040, 2048):
+        assert torch.equal(_bits(torch.bmm(q, k[:, :, :n])), full[:, :, :n]), n
+        assert torch.equal(_bits(torch.bmm(q[:1], k[:1, :, :n])), full[:1, :, :n]), n
