@@ -20,6 +20,7 @@ from kvwarden.cli import add_engine_args, engine_kwargs
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.models.bundled import documents, questions
+from kvwarden.models.tokenizer import Tokenizer
 from kvwarden.probe.fingerprint import fingerprint
 
 
@@ -33,15 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_prompts(llm_tokenizer: object, n: int, doc_chars: int) -> list[str]:
+def build_prompts(tok: Tokenizer, n: int, doc_chars: int) -> list[str]:
     doc = documents()[0]
     context = doc.text[:doc_chars]
     prompts = []
     for question in questions()[:n]:
         message = f"Read this document and answer briefly.\n\n{context}\n\nQuestion: {question}"
-        tok = llm_tokenizer
-        if getattr(tok, "chat_template", None):
-            prompts.append(tok.apply_chat_template([{"role": "user", "content": message}]))  # type: ignore[attr-defined]
+        if tok.chat_template:
+            prompts.append(tok.apply_chat_template([{"role": "user", "content": message}]))
         else:
             prompts.append(message)
     return prompts
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if identical == len(cold) else 1
 
 
-def _print_tokens(console: Console, index: int, out: RequestOutput, tok: object) -> None:
+def _print_tokens(console: Console, index: int, out: RequestOutput, tok: Tokenizer) -> None:
     console.print(f"\n[bold]request {index}[/bold] ({out.finish_reason}): {out.text!r}")
     table = Table(show_header=True, header_style="dim")
     table.add_column("#", justify="right")
@@ -114,5 +114,5 @@ def _print_tokens(console: Console, index: int, out: RequestOutput, tok: object)
     console.print(table)
 
 
-def _piece(tok: object, token_id: int) -> str:
-    return repr(tok.decode([token_id], skip_special_tokens=False))  # type: ignore[attr-defined]
+def _piece(tok: Tokenizer, token_id: int) -> str:
+    return repr(tok.decode([token_id], skip_special_tokens=False))

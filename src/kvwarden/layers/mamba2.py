@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvwarden.layers.gated_delta import vendor_chunk_size
+
 Exp = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -82,8 +84,6 @@ def shape_dependent_scan(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vendor-style: recurrent for one token, else chunks relative to the call's start."""
-    from kvwarden.layers.gated_delta import vendor_chunk_size
-
     rows = x.shape[1]
     if rows == 1:
         return recurrent_step(x, dt, a, b, c, d, state)
