@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +15,9 @@ from kvwarden.models.make_model import make_model
 
 # Tests are CPU-only and must not fight over the 2 cores of a CI machine.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# Without a GPU, Triton kernels run under Triton's interpreter (read when a kernel module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +60,37 @@ def hybrid_tiny(request: pytest.FixtureRequest, models_root: Path) -> Path:
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def dense_tiny(request: pytest.FixtureRequest, llama_tiny: Path, qwen3_tiny: Path) -> Path:
     return llama_tiny if request.param == "llama" else qwen3_tiny
+
+
+# Measurements of engines nobody here wrote (stability, block sizes, cached tokens on this machine):
+# recorded and printed at the end of the run, never asserted - they differ between machines.
+MEASUREMENTS = pytest.StashKey[list[dict[str, Any]]]()
+MEASUREMENTS_FILE = Path(__file__).resolve().parent.parent / "runs" / "real-engines" / "measurements.json"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[MEASUREMENTS] = []
+
+
+@pytest.fixture
+def measure(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """``measure(what, **facts)``: record a measurement of a third-party engine for the run's summary."""
+
+    def record(what: str, **facts: Any) -> None:
+        entry = {"test": request.node.name, "what": what, **facts}
+        request.config.stash[MEASUREMENTS].append(entry)
+        MEASUREMENTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+        MEASUREMENTS_FILE.write_text(json.dumps(request.config.stash[MEASUREMENTS], indent=1, default=str))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    entries = config.stash.get(MEASUREMENTS, [])
+    if not entries:
+        return
+    terminalreporter.section("measured on this machine (recorded, not asserted)")
+    for e in entries:
+        facts = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("test", "what"))
+        terminalreporter.write_line(f"{e['what']}: {facts}")
+    terminalreporter.write_line(f"(also in {MEASUREMENTS_FILE})")

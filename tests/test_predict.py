@@ -1,4 +1,4 @@
-"""The predictor reproduces BRIEF §1a and explains its verdicts."""
+"""The predictor reproduces docs/production-story.md §1 and explains its verdicts."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from kvwarden.probe.predict import predict_pair, search_a_lengths
 
-BRIEF = {"rule": "vllm-align", "block_size": 1600, "num_spec_tokens": 2}
+INCIDENT = {"rule": "vllm-align", "block_size": 1600, "num_spec_tokens": 2}
 
 
 def test_a_3196_makes_b_unstable_but_its_first_run_is_clean() -> None:
-    p = predict_pair(BRIEF["rule"], 1600, 3196, 4000, 3100, num_spec_tokens=2)
+    p = predict_pair(INCIDENT["rule"], 1600, 3196, 4000, 3100, num_spec_tokens=2)
     assert not p.repeats_stable and p.history_dependent and p.first_run_alike_clean
     assert p.a_saved_state_at == {1600: False}
     assert p.b_cached_tokens[0] == 0 and p.b_cached_tokens[1] == 1600

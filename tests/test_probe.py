@@ -17,6 +17,7 @@ from kvwarden.probe.predict import predict_pair
 from kvwarden.probe.report import contamination_verdict, summarize
 from kvwarden.probe.runner import RecordLog, Target, run_probe
 from kvwarden.probe.scenario import ScenarioError, load_scenario
+from probe_contract import check_run
 
 LEGACY = ServerSettings(
     block_size=16,
@@ -54,7 +55,10 @@ def test_cli_contamination_on_the_legacy_reproduction_flags_it(hybrid: Path, tmp
     assert len(responses) == 4 + 5 + 4 and all(len(r["tops"][0]) == 20 for r in responses)
     assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # a fresh server per arm, log kept
     page = (tmp_path / "report.html").read_text()
-    assert "UNSTABLE" in page and "<svg" in page and "candidate-set churn" in page
+    assert "UNSTABLE" in page and "candidate-set churn" in page and page.count("plotly-graph-div") >= 2
+    assert "<script src='plotly.min.js'>" in page and (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
+    summary_file = json.loads((tmp_path / "summary.json").read_text())
+    assert summary_file == summary and summary["prediction"]["matches"]
 
 
 def test_kvwarden_defaults_pass_every_builtin(hybrid: Path, tmp_path: Path) -> None:
@@ -180,6 +184,40 @@ def test_unreachable_and_crashing_servers_are_reported_and_nothing_is_lost(tmp_p
     assert _probe(args, run).returncode == 0
     after = (run / "records.jsonl").read_text()
     assert after.startswith(before) and len(list((run / "logs").glob("*.log"))) == 1
+
+
+def test_a_server_that_dies_under_the_first_request_is_an_arm_error_not_a_hang(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "dying_server.py"
+    command = f"{sys.executable} {script} {{port}}"
+    args = ["--launcher", "custom", "--command", command, "--model", "x", "--scenario", "contamination"]
+    done = _probe([*args, "--repeats", "2", "--json"], tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    check_run(tmp_path, done.returncode, summary)
+    for arm in summary["arms"]:  # every arm started its own server, which died under its first request
+        assert "server exited with 7 during the arm" in arm["error"], arm
+        assert "simulated kernel crash under /v1/completions" in arm["error"], arm  # the log's tail is kept
+    assert summary["prediction"] == {"skipped": "no scheduling model for custom serving this model"}
+
+
+def test_the_predictor_uses_the_block_size_the_server_reports_not_the_requested_one(
+    hybrid: Path, tmp_path: Path
+) -> None:
+    """The probe asks for 16-token blocks, an extra server argument makes it 32: the probe must learn 32
+    from the server's /metrics, and the predictor must match the server's cache hits with it."""
+    args = ["--launcher", "kvwarden", "--model", str(hybrid), "--block-size", "16"]
+    args += ["--server-arg=--block-size", "--server-arg=32", "--a-len", "40", "--b-len", "60", "--shared", "36"]
+    done = _probe([*args, "--repeats", "3", "--json"], tmp_path)
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    check_run(tmp_path, done.returncode, summary)
+    pred = summary["prediction"]
+    assert (pred["block_size"], pred["block_size_source"], pred["rule"]) == (32, "metrics", "kvwarden"), pred
+    assert pred["matches"] and pred["observed"]["clean"] == [0, 32, 32], pred
+    assert all(arm["server"]["block_size"] == 32 for arm in summary["arms"])
+    # What the old code did: predict with the requested block size. It would not match.
+    wrong = predict_pair("kvwarden", 16, pred["a_len"], pred["b_len"], pred["shared"], repeats=3)
+    assert wrong.clean_cached_tokens != pred["observed"]["clean"]
+    assert "block size 32 (metrics)" in done.stderr  # and the terminal says so
 
 
 def test_command_template_launcher_needs_a_port() -> None:

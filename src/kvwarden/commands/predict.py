@@ -15,15 +15,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="simulate a scheduling rule + prefix cache and predict unstable / history-dependent pairs",
         description="Request A once, then request B repeated; A and B share their first SHARED tokens.",
     )
-    p.add_argument("--rule", choices=RULES, required=True)
-    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument(
+        "--rule",
+        choices=RULES,
+        required=True,
+        help="vllm-align: vLLM's hybrid align mode; vllm-align-fixed: its one-line fix; vllm: dense chunked prefill",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        required=True,
+        help="the engine's KV block size (vLLM raises it for hybrids: its log says 'Setting attention block size')",
+    )
     p.add_argument("--num-spec-tokens", type=int, default=0, help="> 0: the align rule pulls back one block")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step budget (default: unlimited)")
-    p.add_argument("--pair", action="append", default=[], metavar="A_LEN:B_LEN:SHARED_LEN")
+    p.add_argument(
+        "--pair", action="append", default=[], metavar="A_LEN:B_LEN:SHARED_LEN", help="lengths in tokens (repeatable)"
+    )
     p.add_argument("--texts", action="append", default=[], metavar="A.txt:B.txt", help="texts instead of lengths")
     p.add_argument("--tokenizer", default=None, help="model whose tokenizer measures --texts")
     p.add_argument("--dense", action="store_true", help="model without recurrent layers (a hit needs no state)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="runs of B after A")
     p.add_argument("--search", action="store_true", help="propose A lengths that flip the outcome")
     p.add_argument("--json", action="store_true", help="one JSON object per pair")
     p.set_defaults(func=run)
@@ -65,6 +77,12 @@ def run(args: argparse.Namespace) -> int:
     pairs = [_parse_pair(p) for p in args.pair] + [_text_pair(t, args.tokenizer) for t in args.texts]
     if not pairs:
         raise ValueError("give at least one --pair A_LEN:B_LEN:SHARED_LEN (or --texts A.txt:B.txt)")
+    if not args.json:
+        print(
+            f"assuming block size {args.block_size} (given by --block-size; an engine may use another: "
+            "`kvwarden probe` reads the one a server really uses) and step budget "
+            f"{args.max_num_batched_tokens or 'unlimited'}"
+        )
     for a_len, b_len, shared in pairs:
         pred = predict_pair(
             args.rule,
@@ -86,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 {"a_from": f, "a_to": t, "repeats_stable": s, "history_dependent": h} for f, t, s, h in flips
             ]
         if args.json:
+            out["block_size_source"] = "--block-size"
             print(json.dumps(out))
             continue
         verdict = "stable" if pred.repeats_stable else "UNSTABLE"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvwarden.config import CHUNKING_RULES, NUMERICS_MODES
 from kvwarden.probe.builtin import BUILTINS
@@ -19,7 +20,16 @@ from kvwarden.probe.launchers import LAUNCHERS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("probe", help="measure logprob stability of a server across cache/batch/budget arms")
+    p = sub.add_parser(
+        "probe",
+        help="measure logprob stability of a server across cache/batch/budget arms",
+        description=(
+            "Runs a scenario's arms (e.g. clean / contaminated / no-cache) against an OpenAI-compatible server, "
+            "a fresh one per arm with --launcher, and fingerprints the top-20 logprobs of every generated token. "
+            "Exit status: 0 every arm stable, 1 some arm unstable, 2 an arm could not run. "
+            "See docs/production-story.md §2 for the method."
+        ),
+    )
     p.add_argument(
         "--scenario", default="contamination", help=f"built-in ({', '.join(BUILTINS)}) or a .yaml/.toml file"
     )
@@ -29,24 +39,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model for the launcher (dir, .gguf, builtin:...)")
     p.add_argument("--command", help="command template for --launcher custom/sglang, with {model} and {port}")
     p.add_argument("--served-model-name", help="model name for requests (default: the server's first model)")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", default="auto", help="'auto' (the model's, when local), a model, or 'none' (text)")
     p.add_argument("--out", type=Path, help="run directory (an existing one resumes); default runs/probe-...")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--a-len", type=int, default=28)
-    p.add_argument("--b-len", type=int, default=44)
-    p.add_argument("--shared", type=int, default=24)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--repeats", type=int, default=5, help="runs of the measured request per arm")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (vLLM's extension)")
+    p.add_argument("--a-len", type=int, default=28, help="built-in scenarios: tokens of request A")
+    p.add_argument("--b-len", type=int, default=44, help="built-in scenarios: tokens of request B")
+    p.add_argument("--shared", type=int, default=24, help="built-in scenarios: leading tokens A and B share")
+    p.add_argument("--block-size", type=int, help="requested KV block size (the server may pick another)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="requested step budget")
     p.add_argument("--budgets", type=int, nargs=2, default=(32, 512), help="the budget scenario's two budgets")
-    p.add_argument("--chunking", choices=CHUNKING_RULES, help="kvwarden launcher only")
-    p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only")
-    p.add_argument("--num-speculative-tokens", type=int, default=2)
+    p.add_argument("--chunking", choices=CHUNKING_RULES, help="kvwarden launcher only: prefill chunking rule")
+    p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only: kernels")
+    p.add_argument("--num-speculative-tokens", type=int, default=2, help="draft tokens in arms with speculation")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server dtype (vLLM serves Qwen3-Next in bfloat16)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
-    p.add_argument("--json", action="store_true", help="print the per-arm summary as JSON")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ready-timeout", type=float, help="seconds to wait for a server (default: per launcher)")
+    p.add_argument("--json", action="store_true", help="print the per-arm summary as JSON on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
@@ -73,10 +85,13 @@ def _tokenizer(spec: str, model: str | None) -> object:
 
 def run(args: argparse.Namespace) -> int:
     from kvwarden.probe.builtin import Shape, build
+    from kvwarden.probe.crosscheck import CacheCheck
     from kvwarden.probe.launchers import ServerSettings, make_launcher
-    from kvwarden.probe.report import cross_arm, print_table, summarize, write_html
+    from kvwarden.probe.report import print_table
+    from kvwarden.probe.results import finish_run
     from kvwarden.probe.runner import Target, run_probe
     from kvwarden.probe.scenario import load_scenario
+    from kvwarden.probe.server_info import ServerInfo
 
     settings = ServerSettings(
         block_size=args.block_size,
@@ -97,10 +112,21 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(args.tokenizer, model)
     if args.scenario in BUILTINS:
         shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
-        scenario = build(args.scenario, settings, tokenizer, shape, args.repeats, args.max_tokens, tuple(args.budgets))
+        scenario = build(
+            args.scenario,
+            settings,
+            tokenizer,
+            shape,
+            args.repeats,
+            args.max_tokens,
+            tuple(args.budgets),
+            ignore_eos=args.ignore_eos,
+        )
     else:
         scenario = load_scenario(args.scenario, settings)
     launcher = make_launcher(args.launcher, args.command) if args.launcher else None
+    if launcher is not None and args.ready_timeout:
+        launcher.ready_timeout = args.ready_timeout
     target = Target(
         launcher=launcher,
         model=model,
@@ -114,18 +140,18 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json)  # with --json, stdout carries only the JSON summary
     console.print(f"kvwarden probe: scenario {scenario.name}, {len(scenario.arms)} arms -> {out}")
     records = run_probe(scenario, target, out, show_progress=not args.no_progress)
-    summaries = summarize(records, [a.name for a in scenario.arms])
-    cross = cross_arm(summaries, scenario.compare_arms)
     title = f"probe {scenario.name} ({args.launcher or args.url})"
-    print_table(title, summaries, console)
-    for name, same in cross.items():
+    result = finish_run(out, scenario, records, title, args.launcher, model)
+    print_table(title, result.summaries, console)
+    for name, same in result.cross.items():
         console.print(f"  {scenario.compare_arms[0]} vs {name}: {'same' if same else 'DIFFERENT'} first fingerprint")
-    page = write_html(out / "report.html", title, summaries, cross)
-    summary = {"run_dir": str(out), "arms": [s.to_dict() for s in summaries], "cross_arm": cross}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for s in result.summaries:
+        if s.server:
+            console.print(f"  {s.arm}: server reported {ServerInfo(**s.server).describe()}")
+    if isinstance(result.check, CacheCheck):
+        console.print(("  " if result.check.matches else "  [red]") + escape(result.check.describe()))
+    summary = result.to_dict()
     if args.json:
         print(json.dumps(summary))
-    console.print(f"report: {page}")
-    if any(s.error for s in summaries):
-        return 2
-    return 0 if all(s.stable for s in summaries) else 1
+    console.print(f"report: {out / 'report.html'}")
+    return result.exit_status

@@ -1,4 +1,4 @@
-"""Built-in probe scenarios: contamination, batch, budget, spec, repeat (BRIEF §1c).
+"""Built-in probe scenarios: contamination, batch, budget, spec, repeat (docs/production-story.md §2).
 
 Prompts are built from the bundled documents. With a tokenizer (the served
 model's, when the probe knows it) prompts are token-id lists of exact lengths,
@@ -60,6 +60,7 @@ def build(
     max_tokens: int = 8,
     budgets: tuple[int, int] = (32, 512),
     noise: int = 6,
+    ignore_eos: bool = False,
 ) -> Scenario:
     """A built-in scenario by name (see :data:`BUILTINS`)."""
     if name not in BUILTINS:
@@ -93,7 +94,7 @@ def build(
         arms = (Arm("repeat", (b_runs,), base),)
         compare = ()
     notes = {"shape": shape.__dict__, "token_prompts": tokenizer is not None}
-    return Scenario(name, requests, arms, max_tokens, 20, compare, notes)
+    return Scenario(name, requests, arms, max_tokens, 20, compare, notes, ignore_eos)
 
 
 def noise_prompts(count: int, tokenizer: Tokenizer | None, length: int = 40) -> list[str | list[int]]:

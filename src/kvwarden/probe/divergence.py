@@ -2,7 +2,7 @@
 
 A scenario is an engine configuration plus prompts run one after another on
 the same engine (so earlier requests can warm the cache). :func:`run_scenario`
-traces every request; :func:`contamination_study` runs BRIEF §1a's scenario and
+traces every request; :func:`contamination_study` runs the contamination scenario of docs/production-story.md §1 and
 answers two questions:
 
 1. *Where* do B's first and second runs part ways? (first differing operation
@@ -84,7 +84,10 @@ def contamination_study(
     max_tokens: int = 4,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """BRIEF §1a at a chosen scale: A once, B twice, on one engine; trace everything."""
+    """The contamination scenario (docs/production-story.md §1) at a chosen scale.
+
+    A once, B twice, on one engine; every activation traced.
+    """
     if not 0 < shared <= min(a_len, b_len):
         raise ValueError(f"--shared must be in (0, min(a_len, b_len)], got {shared}")
     rng = random.Random(seed)

@@ -1,4 +1,4 @@
-"""Fingerprints of a response's top-k logprobs (BRIEF §1c).
+"""Fingerprints of a response's top-k logprobs (docs/production-story.md §2).
 
 Text identity is not evidence: two responses match only if every generated
 token's top-k ``(token id, logprob)`` list matches bit for bit. Logprobs are

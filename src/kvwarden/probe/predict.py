@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-RULES = ("vllm-align", "vllm-align-fixed", "kvwarden")
+RULES = ("vllm-align", "vllm-align-fixed", "vllm", "kvwarden")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class Simulator:
     """One engine's prefix cache, fed requests one after another.
 
     Args:
-        rule: ``vllm-align``, ``vllm-align-fixed`` or ``kvwarden``.
+        rule: ``vllm-align`` (vLLM's hybrid align mode), ``vllm-align-fixed``
+            (its one-line fix), ``vllm`` (vLLM's plain chunked prefill, which it
+            uses for dense models) or ``kvwarden``.
         block_size: KV block size B.
         num_spec_tokens: > 0 turns on the align rule's speculative pull-back.
         max_num_batched_tokens: the step budget (``None``: unlimited).
@@ -72,6 +74,8 @@ class Simulator:
             raise ValueError(f"--rule: unknown rule {rule!r}; expected one of {RULES}")
         if block_size < 1:
             raise ValueError("--block-size must be >= 1")
+        if rule == "vllm" and hybrid:
+            raise ValueError("--rule vllm models dense models; vLLM schedules hybrids with vllm-align (add --dense)")
         self.rule, self.b, self.spec = rule, block_size, num_spec_tokens
         self.budget = max_num_batched_tokens or 1 << 40
         self.hybrid = hybrid
@@ -81,7 +85,7 @@ class Simulator:
 
     def _chunk_size(self, num_tokens: int, start: int) -> int:
         n = min(self.budget, num_tokens - start)
-        if self.rule == "kvwarden":
+        if self.rule in ("kvwarden", "vllm"):
             return n
         b = self.b
         last = num_tokens - num_tokens % b

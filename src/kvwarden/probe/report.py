@@ -1,19 +1,16 @@
-"""Summaries of a probe run: per-arm stability, first divergent token, cached tokens; table + HTML.
+"""Summaries of a probe run: per-arm stability, first divergent token, cached tokens; terminal table.
 
 Stability is N/N identical fingerprints of an arm's measured runs (in the
 server's order and sorted by token id). Hashes are compared within an arm, and
 across the arms a scenario names in ``compare_arms`` (same server settings).
-The HTML page plots, for every unstable arm, the max |delta logprob| per token
-position against the arm's first run, and the candidate-set churn (the share
-of top-k tokens that are not in the first run's list).
+For unstable arms the per-position max |delta logprob| against the first run
+and the candidate-set churn are kept for the HTML page (``html_report.py``).
 """
 
 from __future__ import annotations
 
-import html
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -36,6 +33,7 @@ class ArmSummary:
     deltas: list[list[float]] = field(default_factory=list)  # per other run: max |delta| per position
     churn: list[float] = field(default_factory=list)  # per position, max over runs
     fingerprints: list[str] = field(default_factory=list)
+    server: dict[str, Any] = field(default_factory=dict)  # what the server reported (block size, budget)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -79,6 +77,7 @@ def summarize(records: list[dict[str, Any]], arms: list[str]) -> list[ArmSummary
         if attempt is None or not measured:
             out.append(ArmSummary(arm, 0, 0, 0, False, None, [], False, error or "no completed runs"))
             continue
+        info = next((r["info"] for r in records if r.get("type") == "server_info" and r["attempt"] == attempt), {})
         fps = [r["fingerprint"] for r in measured]
         common = Counter(fps).most_common(1)[0][1]
         common_sorted = Counter(r["fingerprint_sorted"] for r in measured).most_common(1)[0][1]
@@ -95,6 +94,7 @@ def summarize(records: list[dict[str, Any]], arms: list[str]) -> list[ArmSummary
             cached_tokens=[r["cached_tokens"] for r in measured],
             texts_identical=len({r["text_sha256"] for r in measured}) == 1,
             fingerprints=fps,
+            server=info,
         )
         if not summary.stable:
             churn: list[float] = []
@@ -158,66 +158,3 @@ def print_table(title: str, summaries: list[ArmSummary], console: Console | None
             verdict,
         )
     console.print(table)
-
-
-def _svg_lines(series: list[list[float]], width: int = 560, height: int = 180, ylabel: str = "") -> str:
-    points = [v for s in series for v in s if v == v]
-    top = max(points, default=1.0) or 1.0
-    n = max((len(s) for s in series), default=1)
-    colours = ["#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
-    paths = []
-    for i, s in enumerate(series):
-        pts = [
-            f"{40 + (width - 50) * j / max(1, n - 1):.1f},{height - 20 - (height - 35) * (v / top):.1f}"
-            for j, v in enumerate(s)
-            if v == v
-        ]
-        if pts:
-            colour = colours[i % len(colours)]
-            paths.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{" ".join(pts)}"/>')
-    return (
-        f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">'
-        f'<line x1="40" y1="{height - 20}" x2="{width - 10}" y2="{height - 20}" stroke="#888"/>'
-        f'<line x1="40" y1="10" x2="40" y2="{height - 20}" stroke="#888"/>'
-        f'<text x="2" y="14" font-size="10">{top:.2g}</text><text x="2" y="{height - 22}" font-size="10">0</text>'
-        f'<text x="{width // 2}" y="{height - 4}" font-size="10">token position (0..{n - 1})</text>'
-        f'<text x="44" y="20" font-size="10">{html.escape(ylabel)}</text>{"".join(paths)}</svg>'
-    )
-
-
-def write_html(
-    path: Path, title: str, summaries: list[ArmSummary], cross: dict[str, bool], extra_html: str = ""
-) -> Path:
-    rows = []
-    for s in summaries:
-        verdict = "error" if s.error else ("stable" if s.stable else "UNSTABLE")
-        cached = " ".join("?" if c is None else str(c) for c in s.cached_tokens)
-        first = "-" if s.first_divergent_token is None else s.first_divergent_token
-        rows.append(
-            f"<tr class='{verdict.lower()}'><td>{html.escape(s.arm)}</td><td>{s.identical}/{s.runs}</td>"
-            f"<td>{s.identical_sorted}/{s.runs}</td><td>{first}</td>"
-            f"<td>{cached}</td><td>{verdict}{(': ' + html.escape(s.error)) if s.error else ''}</td></tr>"
-        )
-    plots = []
-    for s in summaries:
-        if s.deltas:
-            plots.append(f"<h3>{html.escape(s.arm)}: max |&Delta; logprob| vs run 1, per token</h3>")
-            plots.append(_svg_lines(s.deltas, ylabel="max |delta logprob|"))
-            plots.append(f"<h3>{html.escape(s.arm)}: candidate-set churn (share of top-k not in run 1's)</h3>")
-            plots.append(_svg_lines([s.churn], ylabel="churn"))
-    cross_html = "".join(
-        f"<li>{html.escape(k)}: {'same' if v else 'different'} first fingerprint</li>" for k, v in cross.items()
-    )
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em}} td,th{{border:1px solid #ccc;padding:4px 8px}}
-table{{border-collapse:collapse}} tr.unstable td{{background:#fde2e2}} tr.error td{{background:#eee}}
-tr.stable td{{background:#e6f4ea}}</style></head><body>
-<h1>{html.escape(title)}</h1>
-<table><tr><th>arm</th><th>identical (order)</th><th>identical (sorted)</th><th>first divergent token</th>
-<th>cached tokens per run</th><th>verdict</th></tr>{"".join(rows)}</table>
-<h2>Across arms</h2><ul>{cross_html or "<li>(none compared)</li>"}</ul>
-{extra_html}
-<h2>Unstable arms</h2>{"".join(plots) or "<p>none</p>"}
-</body></html>"""
-    path.write_text(page)
-    return path

@@ -9,8 +9,10 @@ earlier partial records stay in the file under their own attempt id.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ from kvwarden.probe.client import Client, ProbeError, Response
 from kvwarden.probe.fingerprint import fingerprint
 from kvwarden.probe.launchers import Launcher, RunningServer, ServerFailed, log_tail
 from kvwarden.probe.scenario import Arm, Scenario
+from kvwarden.probe.server_info import discover
 
 CACHED_METRICS = ("kvwarden:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 
@@ -112,38 +115,73 @@ def _serve(
         server.stop()
 
 
+def _server_info(target: Target, arm: Arm, url: str, server: RunningServer | None) -> dict[str, Any]:
+    """What the server says it runs with (block size, budget), recorded before the first request."""
+    if target.launcher is not None and server is not None:
+        return target.launcher.discover(server, arm.server).to_dict()
+    return discover(url, None, arm.server.block_size, arm.server.max_num_batched_tokens).to_dict()
+
+
 def run_arm(
     scenario: Scenario, arm: Arm, target: Target, log: RecordLog, run_dir: Path, progress: Progress | None
 ) -> None:
     attempt = uuid.uuid4().hex[:8]
-    total = sum(s.repeat for s in arm.steps)
-    task = progress.add_task(f"{arm.name}", total=total) if progress else None
     log.append({"type": "arm_start", "arm": arm.name, "attempt": attempt, "server": arm.server.__dict__})
+    exit_code: int | None = None
     server: RunningServer | None = None
     try:
         with _serve(target, arm, run_dir, attempt) as (url, extra, server):
-            client = Client(url, target.api_key)
-            name = target.served_name or client.model_name()
-            noise_pool = noise_prompts(max(s.concurrent_noise for s in arm.steps), target.tokenizer)
-            usage_has_cached = None  # unknown until the first response; else fall back to /metrics deltas
-            for si, step in enumerate(arm.steps):
-                prompt = scenario.requests[step.request].prompt
-                for r in range(step.repeat):
-                    before = _cached_metric(client) if usage_has_cached is not True else None
-                    resp = _one(client, name, prompt, scenario, extra, step.concurrent_noise, noise_pool)
-                    usage_has_cached = resp.cached_tokens is not None
-                    if not usage_has_cached and before is not None:
-                        after = _cached_metric(client)
-                        resp.cached_tokens = None if after is None else int(after - before)
-                    measured = si == arm.measured_step
-                    log.append(response_record(arm.name, attempt, si, r, measured, step.request, resp))
-                    if progress is not None and task is not None:
-                        progress.advance(task)
-            client.close()
+            try:
+                info = _server_info(target, arm, url, server)
+                log.append({"type": "server_info", "arm": arm.name, "attempt": attempt, "info": info})
+                _run_steps(scenario, arm, target, log, attempt, url, extra, progress)
+            except (ProbeError, httpx.HTTPError):
+                # Before _serve stops the server: did the engine itself die under a request? A process
+                # that just dropped its connections may need a moment to be reaped.
+                if server is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        exit_code = server.process.wait(timeout=2)
+                raise
         log.append({"type": "arm_done", "arm": arm.name, "attempt": attempt})
     except (ServerFailed, ProbeError, httpx.HTTPError) as exc:
+        error = str(exc) if isinstance(exc, ServerFailed) else f"{type(exc).__name__}: {exc}"
+        if exit_code is not None:
+            error = f"server exited with {exit_code} during the arm ({error})"
         tail = log_tail(server.log_path) if server is not None else ""
-        log.append({"type": "arm_error", "arm": arm.name, "attempt": attempt, "error": str(exc), "log_tail": tail})
+        log.append({"type": "arm_error", "arm": arm.name, "attempt": attempt, "error": error, "log_tail": tail})
+
+
+def _run_steps(
+    scenario: Scenario,
+    arm: Arm,
+    target: Target,
+    log: RecordLog,
+    attempt: str,
+    url: str,
+    extra: dict[str, Any],
+    progress: Progress | None,
+) -> None:
+    task = progress.add_task(f"{arm.name}", total=sum(s.repeat for s in arm.steps)) if progress else None
+    client = Client(url, target.api_key)
+    try:
+        name = target.served_name or client.model_name()
+        noise_pool = noise_prompts(max(s.concurrent_noise for s in arm.steps), target.tokenizer)
+        usage_has_cached = None  # unknown until the first response; else fall back to /metrics deltas
+        for si, step in enumerate(arm.steps):
+            prompt = scenario.requests[step.request].prompt
+            for r in range(step.repeat):
+                before = _cached_metric(client) if usage_has_cached is not True else None
+                resp = _one(client, name, prompt, scenario, extra, step.concurrent_noise, noise_pool)
+                usage_has_cached = resp.cached_tokens is not None
+                if not usage_has_cached and before is not None:
+                    after = _cached_metric(client)
+                    resp.cached_tokens = None if after is None else int(after - before)
+                measured = si == arm.measured_step
+                log.append(response_record(arm.name, attempt, si, r, measured, step.request, resp))
+                if progress is not None and task is not None:
+                    progress.advance(task)
+    finally:
+        client.close()
 
 
 def _cached_metric(client: Client) -> float | None:
@@ -157,6 +195,8 @@ def _cached_metric(client: Client) -> float | None:
 def _one(
     client: Client, model: str, prompt: Any, scenario: Scenario, extra: dict, noise: int, noise_pool: list
 ) -> Response:
+    if scenario.ignore_eos:
+        extra = {**extra, "ignore_eos": True}
     if not noise:
         return client.complete(model, prompt, scenario.max_tokens, scenario.top_logprobs, extra)
     with ThreadPoolExecutor(max_workers=noise + 1) as pool:

@@ -5,6 +5,7 @@ A scenario file (YAML, or TOML with the same fields)::
     name: lease-questions
     max_tokens: 16
     top_logprobs: 20
+    ignore_eos: false                # true: always generate max_tokens (kvwarden, vLLM, llama.cpp)
     server: {block_size: 16, max_num_batched_tokens: 512}
     documents:
       lease: {bundled: 1}            # or {file: lease.txt} or {text: "..."}
@@ -85,6 +86,7 @@ class Scenario:
     top_logprobs: int = 20
     compare_arms: tuple[str, ...] = ()  # arms whose measured fingerprints should also agree with each other
     notes: dict[str, Any] = field(default_factory=dict)
+    ignore_eos: bool = False  # generate max_tokens even past an end-of-sequence token (vLLM's extension)
 
 
 class _Located:
@@ -191,7 +193,8 @@ def _document_text(loc: _Located, name: str, raw: Any) -> str:
 
 def parse_scenario(data: Any, loc: _Located, defaults: ServerSettings) -> Scenario:
     _expect(loc, data, dict, "(top level)")
-    known = {"name", "max_tokens", "top_logprobs", "server", "documents", "requests", "arms", "compare_arms"}
+    known = {"name", "max_tokens", "top_logprobs", "ignore_eos", "server", "documents", "requests", "arms"}
+    known.add("compare_arms")
     for key in data:
         if key not in known:
             raise loc.error(key, f"unknown field (known: {sorted(known)})")
@@ -241,4 +244,5 @@ def parse_scenario(data: Any, loc: _Located, defaults: ServerSettings) -> Scenar
     for a in compare:
         if a not in {arm.name for arm in arms}:
             raise loc.error("compare_arms", f"unknown arm {a!r}")
-    return Scenario(name, requests, tuple(arms), max_tokens, top, compare)
+    ignore_eos = _expect(loc, data.get("ignore_eos", False), bool, "ignore_eos")
+    return Scenario(name, requests, tuple(arms), max_tokens, top, compare, ignore_eos=ignore_eos)

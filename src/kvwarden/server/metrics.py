@@ -49,6 +49,12 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
+        # Info gauges (always 1) carrying the configuration as labels, as vLLM's
+        # vllm:cache_config_info does: the probe reads the block size and budget from here.
+        for name, (doc, labels) in self.metrics.config_info().items():
+            info = GaugeMetricFamily(f"kvwarden:{name}", doc, labels=list(labels))
+            info.add_metric(list(labels.values()), 1.0)
+            yield info
 
 
 class Metrics:
@@ -58,6 +64,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
         self._snapshot: dict[str, float] = {}
+        self._config_info: dict[str, tuple[str, dict[str, str]]] = {}
         self.registry.register(_EngineCollector(self))
         self.ttft = Histogram(
             "kvwarden:time_to_first_token_seconds",
@@ -78,7 +85,15 @@ class Metrics:
             "kvwarden:request_success", "Finished requests", ["finished_reason"], registry=self.registry
         )
 
+    def config_info(self) -> dict[str, tuple[str, dict[str, str]]]:
+        with self._lock:
+            return dict(self._config_info)
+
     def observe_engine(self, engine: LLMEngine) -> None:
+        if not self._config_info:
+            info = _config_info(engine)
+            with self._lock:
+                self._config_info = info
         stats = engine.stats()
         stats["used_blocks"] = stats["num_blocks"] - stats["free_blocks"]
         with self._lock:
@@ -95,3 +110,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _config_info(engine: LLMEngine) -> dict[str, tuple[str, dict[str, str]]]:
+    config = engine.config
+    cache, sched = config.cache, config.scheduler
+    return {
+        "cache_config_info": (
+            "The engine's KV cache configuration",
+            {
+                "block_size": str(cache.block_size),
+                "num_blocks": str(engine.num_blocks),
+                "enable_prefix_caching": str(cache.enable_prefix_caching),
+                "dtype": config.dtype,
+            },
+        ),
+        "scheduler_config_info": (
+            "The engine's scheduler and numerics configuration",
+            {
+                "max_num_batched_tokens": str(sched.max_num_batched_tokens),
+                "max_num_seqs": str(sched.max_num_seqs),
+                "chunking": sched.chunking,
+                "num_speculative_tokens": str(sched.num_speculative_tokens),
+                "numerics": config.numerics.mode,
+            },
+        ),
+    }
