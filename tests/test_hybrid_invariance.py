@@ -107,7 +107,10 @@ def test_hybrid_batch_partners(
 
 
 def _contamination(model: Path, a_len: int, chunking: str, numerics: str, block: int = 16, b_len: int = 44):
-    """BRIEF §1a at small scale: A once, then B ten times; both share the first 24 tokens."""
+    """The contamination scenario (docs/production-story.md §1) at small scale.
+
+    A once, then B ten times; both share the first 24 tokens.
+    """
     rng = random.Random(7)
     doc = random_tokens(rng, 24, 1000)
     a = doc + random_tokens(rng, a_len - len(doc), 1000)

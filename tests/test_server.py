@@ -216,3 +216,61 @@ def test_metrics_expose_cache_queue_and_latency(server: Server, client: openai.O
     assert m["kvwarden:prefix_cache_hits_total"] > 0
     assert m["kvwarden:prefix_cache_queries_total"] >= m["kvwarden:prefix_cache_hits_total"]
     assert m["kvwarden:time_to_first_token_seconds_count"] > 0
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server: Server, client: openai.OpenAI) -> None:
+    text = "Hello there, engineers"
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True})
+    body = tok.json()
+    assert tok.status_code == 200 and set(body) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) and body["max_model_len"] > 0
+    # the ids are exactly what the completions endpoint feeds the engine
+    assert complete(client, text, max_tokens=1).usage.prompt_tokens == body["count"]
+    same = complete(client, body["tokens"], max_tokens=4)
+    assert top20(same) == top20(complete(client, text, max_tokens=4))
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] > 1
+    for bad, param in (
+        ({"tokens": [10**9]}, "tokens"),
+        ({"tokens": "abc"}, "tokens"),
+    ):
+        resp = httpx.post(f"{server.url}/detokenize", json=bad)
+        assert resp.status_code in (400, 422) and resp.json()["error"]["param"] == param, resp.text
+    neither = httpx.post(f"{server.url}/tokenize", json={"model": "tiny"})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
+    wrong_model = httpx.post(f"{server.url}/tokenize", json={"model": "nope", "prompt": "x"})
+    assert wrong_model.status_code == 404
+
+
+def test_access_log_has_one_line_per_request_with_tokens(server: Server, client: openai.OpenAI) -> None:
+    resp = complete(client, f"{DOC} access log", max_tokens=5)
+    chunks = list(client.completions.create(model="tiny", prompt=f"{DOC} access log", max_tokens=3, stream=True))
+
+    def line_of(request_id: str) -> str:
+        deadline = time.monotonic() + 10  # the line is written once the response's last byte is sent
+        while time.monotonic() < deadline:
+            found = [line for line in list(server.log) if request_id in line and "kvwarden.access" in line]
+            if found:
+                assert len(found) == 1, found
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no access-log line for {request_id}")
+
+    plain = line_of(resp.id)
+    assert "POST /v1/completions 200" in plain and "output=5" in plain and "latency=" in plain
+    cached = resp.usage.prompt_tokens_details.cached_tokens
+    assert f"prompt={resp.usage.prompt_tokens}" in plain and f"cached={cached}" in plain
+    streamed = line_of(chunks[0].id)
+    assert "POST /v1/completions 200" in streamed and "output=3" in streamed
+    assert f"prompt={resp.usage.prompt_tokens}" in streamed  # the same prompt
+    assert not any("GET /health" in line or "GET /metrics" in line for line in server.log)
+
+
+def test_metrics_carry_the_engine_configuration(server: Server) -> None:
+    text = httpx.get(f"{server.url}/metrics").text
+    cache = next(line for line in text.splitlines() if line.startswith("kvwarden:cache_config_info{"))
+    sched = next(line for line in text.splitlines() if line.startswith("kvwarden:scheduler_config_info{"))
+    assert 'block_size="8"' in cache and 'enable_prefix_caching="True"' in cache
+    assert 'max_num_batched_tokens="64"' in sched and 'numerics="canonical"' in sched

@@ -1,4 +1,4 @@
-"""``kvwarden`` command line: one sub-command per job.
+"""kvwarden command line: one sub-command per job.
 
 Each sub-command lives in its own module and registers itself here; argparse
 errors name the flag, and expected failures (bad model path, bad values) end
@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvwarden import __version__
 from kvwarden.config import CHUNKING_RULES, DTYPES, NUMERICS_MODES
 
 
@@ -18,23 +19,46 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     """Flags shared by every command that builds an engine."""
     if model:
         p.add_argument("model", help="model dir, .gguf file, 'smollm2' or 'builtin:<arch>-<preset>'")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--block-size", type=_positive, default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
-    p.add_argument("--max-num-seqs", type=_positive, default=32)
-    p.add_argument("--max-model-len", type=_positive, default=None)
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block and prefix-cache entry")
     p.add_argument(
-        "--num-blocks",
-        type=_positive,
-        default=None,
-        help="KV blocks (default: from --kv-cache-mib)",
+        "--max-num-batched-tokens", type=_positive, default=512, help="token budget of one engine step (all requests)"
     )
-    p.add_argument("--kv-cache-mib", type=_positive, default=512)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--numerics", choices=NUMERICS_MODES, default="canonical")
-    p.add_argument("--chunking", choices=CHUNKING_RULES, default="kvwarden")
-    p.add_argument("--num-speculative-tokens", type=_non_negative, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=_positive, default=32, help="most requests running at once")
+    p.add_argument(
+        "--max-model-len", type=_positive, default=None, help="cap on prompt + output tokens (default: the model's)"
+    )
+    p.add_argument("--num-blocks", type=_positive, default=None, help="KV blocks in the pool (default: --kv-cache-mib)")
+    p.add_argument("--kv-cache-mib", type=_positive, default=512, help="KV cache memory when --num-blocks is not given")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached blocks across requests")
+    p.add_argument(
+        "--numerics",
+        choices=NUMERICS_MODES,
+        default="canonical",
+        help="canonical: logits independent of batch and chunking; shape-dependent: vendor-style, faster",
+    )
+    p.add_argument(
+        "--chunking",
+        choices=CHUNKING_RULES,
+        default="kvwarden",
+        help="prefill chunking rule; legacy-align re-creates vLLM's hybrid align mode",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=_non_negative,
+        default=0,
+        help="> 0 pulls the legacy-align rule's last cacheable position back one block",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the per-request seeds of unseeded sampling requests")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help line ends with its default, when it has a meaningful one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -73,9 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwarden.commands import cold_warm, demo, generate, make_model, predict, probe, serve, trace_divergence
 
     parser = argparse.ArgumentParser(prog="kvwarden", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvwarden {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (demo, cold_warm, generate, make_model, predict, probe, serve, trace_divergence):
         module.register(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 

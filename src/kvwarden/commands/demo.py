@@ -1,26 +1,43 @@
-"""``kvwarden demo``: the contamination scenario, predicted and measured, in a few minutes.
+"""``kvwarden demo``: does a prefix cache change the answer? Predicted and measured, in about a minute.
 
-On a built-in hybrid model, three kvwarden servers are probed with the
-contamination scenario (arms clean / contaminated / no-cache, a fresh server
-per arm): vLLM's align rule with vendor-style numerics (the production bug),
-the one-line fix, and kvwarden's defaults. Beside each, the predictor's verdict
-for the same lengths. Ends with the path of the HTML report.
+On a built-in hybrid model, the contamination scenario (docs/production-story.md
+§1) is probed under three server configurations, each arm on a fresh server:
+vLLM's align rule with vendor-style numerics (the production bug), the rule's
+one-line fix, and kvwarden's defaults. Beside each observation, the predictor's
+verdict for the same lengths and the block size the server reported. Every
+configuration leaves a probe run directory (``records.jsonl``,
+``summary.json``, ``report.html``); the top directory has the summary page.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from kvwarden.probe.results import RunResult
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    chunking: str
+    numerics: str
+
+
 CONFIGS = (
-    ("legacy-align + shape-dependent", "legacy-align", "shape-dependent", "vllm-align"),
-    ("legacy-align-fixed + shape-dependent", "legacy-align-fixed", "shape-dependent", "vllm-align-fixed"),
-    ("kvwarden defaults", "kvwarden", "canonical", "kvwarden"),
+    Config("vLLM's align rule + vendor-style kernels (the production bug)", "legacy-align", "shape-dependent"),
+    Config("the rule's one-line fix + vendor-style kernels", "legacy-align-fixed", "shape-dependent"),
+    Config("kvwarden's defaults (canonical kernels, any chunking)", "kvwarden", "canonical"),
 )
 
 
@@ -28,106 +45,186 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo", help="the contamination scenario: legacy rule vs fix vs kvwarden, predicted and measured"
     )
-    p.add_argument(
-        "--model", default="builtin:qwen3_next-tiny", help="a hybrid model (default: built-in Qwen3-Next tiny)"
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--a-len", type=int, default=28, help="A: just below two blocks")
-    p.add_argument("--b-len", type=int, default=44)
-    p.add_argument("--shared", type=int, default=24)
-    p.add_argument("--num-speculative-tokens", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--model", default="builtin:qwen3_next-tiny", help="a hybrid model (built-in: random weights)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--a-len", type=int, default=28, help="tokens of request A (just below two blocks)")
+    p.add_argument("--b-len", type=int, default=44, help="tokens of request B")
+    p.add_argument("--shared", type=int, default=24, help="leading tokens A and B share (the document)")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="pull-back of the legacy rule")
+    p.add_argument("--repeats", type=int, default=5, help="runs of B per arm")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens B generates (the plots' x axis)")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/demo-TIMESTAMP)")
     p.set_defaults(func=run)
+
+
+def _says(result: RunResult) -> tuple[str, bool, bool]:
+    """(plain-words observation, stable, B-after-A differs from B alone)."""
+    from kvwarden.probe.report import contamination_verdict
+
+    stable, history = contamination_verdict(result.summaries)
+    cont = result.arm("contaminated")
+    if not stable:
+        text = f"B's runs after A differ from each other ({cont.identical}/{cont.runs} identical"
+        text += f", first at generated token {cont.first_divergent_token})"
+    elif history:
+        text = "B after A is repeatable but differs from B alone"
+    else:
+        text = "every run of B, after A or alone, is bitwise identical"
+    return text, stable, history
+
+
+def _predicted(stable: bool, history: bool) -> str:
+    if not stable:
+        return "B's runs after A differ from each other"
+    return "B after A differs from B alone" if history else "every run identical"
 
 
 def run(args: argparse.Namespace) -> int:
     from kvwarden.models.sources import resolve_model
     from kvwarden.models.tokenizer import Tokenizer
     from kvwarden.probe.builtin import Shape, build, prompts
+    from kvwarden.probe.crosscheck import CacheCheck
+    from kvwarden.probe.html_report import ensure_plotly_js
     from kvwarden.probe.launchers import KvwardenLauncher, ServerSettings
-    from kvwarden.probe.predict import predict_pair
-    from kvwarden.probe.report import contamination_verdict, cross_arm, summarize, write_html
+    from kvwarden.probe.results import finish_run
     from kvwarden.probe.runner import Target, run_probe
 
-    console = Console(width=None if Console().is_terminal else 150)
+    console = Console(highlight=False, width=None if Console().is_terminal else 120)
+    start = time.perf_counter()
     model = str(resolve_model(args.model))
     tokenizer = Tokenizer.from_dir(model)
     shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
     a, b = prompts(shape, tokenizer)
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    console.print(
-        f"[bold]kvwarden demo[/bold]: contamination scenario on {args.model}: A = {len(a)} tokens, "
-        f"B = {len(b)} tokens, sharing {args.shared}; block {args.block_size}, "
-        f"speculative pull-back {args.num_speculative_tokens}; {args.repeats} runs of B per arm; a fresh server per arm"
-    )
-    rows, sections = [], []
-    for label, chunking, numerics, rule in CONFIGS:
+    js = ensure_plotly_js(out)
+    console.print("[bold]kvwarden demo: does a prefix cache change the answer?[/bold]")
+    console.print(STORY + "\n")
+    for line in _setup(args, len(a), len(b)):
+        console.print(escape(line))
+    results: list[tuple[Config, RunResult]] = []
+    for i, cfg in enumerate(CONFIGS, start=1):
         settings = ServerSettings(
             block_size=args.block_size,
             max_num_batched_tokens=max(len(a), len(b)) + 64,
-            chunking=chunking,
-            numerics=numerics,
+            chunking=cfg.chunking,
+            numerics=cfg.numerics,
             num_speculative_tokens=args.num_speculative_tokens,
         )
-        scenario = build("contamination", settings, tokenizer, shape, args.repeats, max_tokens=6)
-        run_dir = out / chunking / numerics
-        console.print(f"\n[bold]{label}[/bold] -> {run_dir}")
-        records = run_probe(scenario, Target(launcher=KvwardenLauncher(), model=model, tokenizer=tokenizer), run_dir)
-        summaries = summarize(records, [arm.name for arm in scenario.arms])
-        cross = cross_arm(summaries, scenario.compare_arms)
-        write_html(run_dir / "report.html", f"{label}", summaries, cross)
-        pred = predict_pair(rule, args.block_size, len(a), len(b), args.shared, args.num_speculative_tokens)
-        cont = next(s for s in summaries if s.arm == "contaminated")
-        errors = [s.arm for s in summaries if s.error]
-        observed_stable, observed_history = contamination_verdict(summaries) if not errors else (False, True)
-        match = pred.repeats_stable == observed_stable and pred.history_dependent == observed_history
-        rows.append((label, pred, cont, observed_history, match, errors, summaries))
-        sections.append(
-            f'<li><a href="{html.escape(str(run_dir.relative_to(out)))}/report.html">{html.escape(label)}</a></li>'
+        scenario = build(
+            "contamination", settings, tokenizer, shape, args.repeats, max_tokens=args.max_tokens, ignore_eos=True
         )
-    table = Table(title="contamination: predicted vs observed")
-    for col in (
-        "configuration",
-        "predicted",
-        "observed (contaminated arm)",
-        "cached tokens (B runs)",
-        "clean / no-cache",
-        "match",
-    ):
+        run_dir = out / cfg.chunking / cfg.numerics
+        console.print(f"\n[bold][{i}/{len(CONFIGS)}] {escape(cfg.label)}[/bold] -> {run_dir}")
+        target = Target(launcher=KvwardenLauncher(), model=model, tokenizer=tokenizer)
+        records = run_probe(scenario, target, run_dir)
+        result = finish_run(run_dir, scenario, records, cfg.label, "kvwarden", model, plotly_js=js)
+        results.append((cfg, result))
+        console.print("  " + escape(_arm_line(result)))
+        if any(s.error for s in result.summaries):
+            console.print("  [red]an arm failed: see its log under[/red] " + str(run_dir / "logs"))
+            continue
+        text, _, _ = _says(result)
+        console.print(f"  observed: {escape(text)}")
+        if isinstance(result.check, CacheCheck):
+            c = result.check
+            console.print(
+                f"  predicted ({c.rule} rule, block size {c.block_size} as the server reported): "
+                f"{_predicted(c.predicted_repeats_stable, c.predicted_history_dependent)}; cached tokens "
+                f"{'as predicted' if c.matches else 'NOT as predicted'}"
+            )
+    ok = _summary(console, results)
+    page = _write_page(out, args, len(a), len(b), results, js)
+    (out / "summary.json").write_text(
+        json.dumps({cfg.label: r.to_dict() for cfg, r in results} | {"all_as_predicted": ok}, indent=2)
+    )
+    console.print(f"\nHTML report: {page.resolve()}  ({time.perf_counter() - start:.0f} s)")
+    return 0 if ok else 1
+
+
+STORY = (
+    "On a hybrid model, vLLM's align scheduling rule saves a recurrent state only where a prefill chunk ends on "
+    "a block boundary. Request A, just under two blocks, runs as one chunk and saves no state; request B, which "
+    "shares A's first block, later combines the KV that A's chunk wrote with a state its own chunk saved. Same "
+    "tokens, numbers computed under different chunk shapes: the top-20 logprobs of B's answer change from run to "
+    "run while the text often stays the same. (docs/production-story.md tells the whole story.)"
+)
+
+
+def _setup(args: argparse.Namespace, a_len: int, b_len: int) -> list[str]:
+    return [
+        f"Setup: {args.model}, {args.block_size}-token blocks; A = {a_len} tokens of a document, B = its first "
+        f"{args.shared} tokens + {b_len - args.shared} others; B generates {args.max_tokens} tokens.",
+        "Three arms per configuration, each on a fresh server:",
+        f"  clean         B alone, {args.repeats} times",
+        f"  contaminated  A once, then B {args.repeats} times (B may reuse the blocks A wrote)",
+        f"  no-cache      B {args.repeats} times with prefix caching off",
+        f"An arm is stable when all {args.repeats} runs of B give bitwise identical top-20 logprobs for every token.",
+    ]
+
+
+def _arm_line(result: RunResult) -> str:
+    parts = []
+    for s in result.summaries:
+        if s.error:
+            parts.append(f"{s.arm}: error")
+            continue
+        first = "" if s.first_divergent_token is None else f", first difference at token {s.first_divergent_token}"
+        parts.append(f"{s.arm} {s.identical}/{s.runs} identical{first}")
+    return "; ".join(parts)
+
+
+def _summary(console: Console, results: list[tuple[Config, RunResult]]) -> bool:
+    from kvwarden.probe.crosscheck import CacheCheck
+
+    table = Table(title="Predicted vs observed (contaminated arm: A once, then B repeated)", title_justify="left")
+    for col in ("configuration", "predicted", "observed", "cached tokens of B's runs", "as predicted"):
         table.add_column(col)
-    page_rows = []
-    for label, pred, cont, history, match, errors, summaries in rows:
-        predicted = f"{_stable(pred.repeats_stable)}, {_history(pred.history_dependent)}"
-        observed = f"{cont.identical}/{cont.runs} identical, {_history(history)}"
-        if cont.first_divergent_token is not None:
-            observed += f", first divergent token {cont.first_divergent_token}"
-        others = ", ".join(f"{s.arm} {s.identical}/{s.runs}" for s in summaries if s.arm != "contaminated")
-        cached = " ".join(str(c) for c in cont.cached_tokens)
-        verdict = "[green]yes[/green]" if match and not errors else "[red]NO[/red]"
-        table.add_row(label, predicted, observed, cached, others, verdict)
-        page_rows.append(
-            f"<tr><td>{html.escape(label)}</td><td>{html.escape(predicted)}</td><td>{html.escape(observed)}</td>"
-            f"<td>{cached}</td><td>{html.escape(others)}</td><td>{'yes' if match else 'NO'}</td></tr>"
-            f"<tr><td colspan='6'><small>{html.escape(pred.explanation)}</small></td></tr>"
-        )
+    all_ok = True
+    for cfg, result in results:
+        check = result.check
+        if any(s.error for s in result.summaries) or not isinstance(check, CacheCheck):
+            table.add_row(cfg.label, "-", "an arm failed" if isinstance(check, CacheCheck) else str(check), "-", "NO")
+            all_ok = False
+            continue
+        text, stable, history = _says(result)
+        ok = (stable, history) == (check.predicted_repeats_stable, check.predicted_history_dependent)
+        ok = ok and check.matches
+        all_ok &= ok
+        predicted = _predicted(check.predicted_repeats_stable, check.predicted_history_dependent)
+        cached = " ".join(str(c) for c in result.arm("contaminated").cached_tokens)
+        table.add_row(cfg.label, predicted, text, cached, "[green]yes[/green]" if ok else "[red]NO[/red]")
     console.print()
     console.print(table)
-    extra = (
-        "<h2>Predicted vs observed</h2><table><tr><th>configuration</th><th>predicted</th><th>observed</th>"
-        f"<th>cached tokens</th><th>other arms</th><th>match</th></tr>{''.join(page_rows)}</table>"
-        f"<h2>Per-configuration reports</h2><ul>{''.join(sections)}</ul>"
+    return all_ok
+
+
+def _write_page(
+    out: Path, args: argparse.Namespace, a_len: int, b_len: int, results: list[tuple[Config, RunResult]], js: Path
+) -> Path:
+    from kvwarden.probe.html_report import arm_plots, arms_table, page
+
+    intro = f"<p>{html.escape(STORY)}</p><pre>{html.escape(chr(10).join(_setup(args, a_len, b_len)))}</pre>"
+    rows = []
+    sections = []
+    for cfg, result in results:
+        link = (result.run_dir.relative_to(out) / "report.html").as_posix()
+        text = "an arm failed" if any(s.error for s in result.summaries) else _says(result)[0]
+        rows.append(
+            f"<tr><td><a href='{html.escape(link)}'>{html.escape(cfg.label)}</a></td><td>{html.escape(text)}</td></tr>"
+        )
+        plots = "".join(arm_plots(s, cfg.label) for s in result.summaries if s.deltas)
+        sections.append(
+            f"<h2>{html.escape(cfg.label)}</h2>"
+            + arms_table(f"{cfg.label}: arms (chunking {cfg.chunking}, numerics {cfg.numerics})", result.summaries)
+            + (plots or "<p>Every arm's runs were bitwise identical: nothing to plot.</p>")
+        )
+    summary = (
+        "<table><caption>Configurations: what B's runs after A showed</caption>"
+        f"<tr><th>configuration (link: its probe report)</th><th>observed</th></tr>{''.join(rows)}</table>"
     )
-    last = rows[0][6]
-    page = write_html(out / "report.html", "kvwarden demo: contamination scenario", last, {}, extra)
-    console.print(f"\nHTML report: {page.resolve()}")
-    return 0 if all(r[4] and not r[5] for r in rows) else 1
-
-
-def _stable(stable: bool) -> str:
-    return "stable" if stable else "UNSTABLE"
-
-
-def _history(dependent: bool) -> str:
-    return "history-dep." if dependent else "history-indep."
+    path = out / "report.html"
+    path.write_text(
+        page("kvwarden demo: does a prefix cache change the answer?", intro + summary + "".join(sections), js.name)
+    )
+    return path

@@ -1,61 +1,105 @@
-"""``kvwarden serve``: the OpenAI-compatible HTTP server."""
+"""``kvwarden serve``: the OpenAI-compatible HTTP server.
+
+The listening socket is bound before the model loads, so a busy port is
+reported at once, in one line naming ``--port`` (exit status 1), instead of
+after a long load with a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import socket
 import sys
 
-from kvwarden.cli import add_engine_args, engine_kwargs
+from kvwarden.cli import add_engine_args
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only unless you change it)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--max-waiting", type=int, default=256, help="pending requests before 503")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--max-waiting", type=int, default=256, help="pending requests before answering 503")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument(
+        "--disable-log-requests", action="store_true", help="no access-log line per request (logged by default)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="kvwarden's log level (access log at info); the HTTP library logs warnings and above",
+    )
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or ``OSError`` (port in use, address not available)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
-    from kvwarden.llm import LLM
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        where = f"{args.host}:{args.port}"
+        print(f"kvwarden serve: error: cannot listen on {where} (--host/--port): {reason}", file=sys.stderr)
+        return 1
+    with sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    import uvicorn
+    from rich.console import Console
+
+    from kvwarden.commands.loading import load_llm
     from kvwarden.server.app import ServerConfig, build_app
     from kvwarden.server.async_engine import AsyncEngine
     from kvwarden.server.metrics import Metrics
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    print(f"kvwarden serve: loading {args.model} ...", flush=True)
-    llm = LLM(args.model, **engine_kwargs(args))
+    logging.basicConfig(format=LOG_FORMAT, level=logging.WARNING)
+    logging.getLogger("kvwarden").setLevel(args.log_level.upper())
+    llm = load_llm(args, Console(stderr=True, highlight=False, soft_wrap=True), "kvwarden serve")
     name = args.served_model_name or args.model
     engine = AsyncEngine(llm.engine, Metrics(), max_waiting=args.max_waiting)
-    app = build_app(engine, ServerConfig(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    server = uvicorn.Server(config)
+    config = ServerConfig(
+        model_name=name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        log_requests=not args.disable_log_requests,
+    )
+    uv_level = "warning" if args.log_level in ("info", "debug") else args.log_level
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, config), log_level=uv_level, access_log=False))
+    host, port = sock.getsockname()[:2]
+    print(f"kvwarden serve: {name} listening on http://{host}:{port}", flush=True)
 
     async def serve() -> None:
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            if task.done():
-                task.result()
-                return
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
             await asyncio.sleep(0.05)
-        for s in server.servers:
-            for sock in s.sockets:
-                host, port = sock.getsockname()[:2]
-                print(f"kvwarden serve: {name} listening on http://{host}:{port}", flush=True)
-        print("kvwarden serve: ready", flush=True)
+        if server.started:
+            print("kvwarden serve: ready", flush=True)
         await task
 
     asyncio.run(serve())
-    if not server.started:
-        print("kvwarden serve: error: the server could not start (is the port in use?)", file=sys.stderr)
-        return 2
-    return 0
+    return 0 if server.started else 1

@@ -13,21 +13,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         "trace-divergence",
         help="trace activations of the contamination scenario and report the first bitwise difference",
         description=(
-            "Runs request A once and request B twice on one engine (BRIEF §1a at a chosen scale), traces "
-            "every activation, and reports where B's two runs first differ and which operation makes A's "
-            "prefill of the shared tokens differ from B's own."
+            "Runs request A once and request B twice on one engine (the contamination scenario of "
+            "docs/production-story.md §1, at a chosen scale), traces every activation, and reports where B's "
+            "two runs first differ and which operation makes A's prefill of the shared tokens differ from B's own."
         ),
     )
     p.add_argument("model", help="model dir, 'builtin:<arch>-<preset>' (a hybrid shows the production bug)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--a-len", type=int, default=28, help="tokens of request A (just below 2 blocks)")
     p.add_argument("--b-len", type=int, default=44, help="tokens of request B (longer than A)")
     p.add_argument("--shared", type=int, default=24, help="tokens A and B share at the start (>= 1 block)")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="legacy rule's speculative pull-back")
-    p.add_argument("--chunking", choices=CHUNKING_RULES, default="legacy-align")
-    p.add_argument("--numerics", choices=NUMERICS_MODES, default="shape-dependent")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunking", choices=CHUNKING_RULES, default="legacy-align", help="prefill chunking rule")
+    p.add_argument(
+        "--numerics", choices=NUMERICS_MODES, default="shape-dependent", help="kernels: vendor-style or canonical"
+    )
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens each request generates")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 

@@ -25,6 +25,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: str
     mtp_weights: dict[str, torch.Tensor]
+    num_parameters: int = 0  # every tensor of the checkpoint, MTP head included
 
 
 def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = None) -> LoadedModel:
@@ -53,7 +54,14 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
     model = DecoderModel(cfg, get, ops, max_positions)
     extra = sorted(k for k in tensors if k.startswith("mtp."))
     mtp = {k: tensors[k] for k in extra}  # multi-token-prediction head, kept for speculative decoding
-    return LoadedModel(config=cfg, model=model, tokenizer=tokenizer, source=str(path), mtp_weights=mtp)
+    return LoadedModel(
+        config=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        source=str(path),
+        mtp_weights=mtp,
+        num_parameters=sum(t.numel() for t in tensors.values()),
+    )
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -19,9 +19,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvwarden.models.bundled import corpus_text
 from kvwarden.models.make_hybrid import Init, granite_config, granite_weights, qwen3_next_config, qwen3_next_weights
+from kvwarden.models.presets import ARCHS, PRESETS
 
-ARCHS = ("llama", "qwen3", "qwen3_next", "granite_hybrid")
-PRESETS = ("tiny", "small", "compat")  # compat: dims that vLLM's CPU kernels accept
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

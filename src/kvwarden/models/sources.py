@@ -16,8 +16,6 @@ import re
 from importlib.util import find_spec
 from pathlib import Path
 
-from kvwarden.models.make_model import make_model
-
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _BUILTIN = re.compile(r"^builtin:(?P<arch>[a-z0-9_]+)-(?P<preset>[a-z]+)(?:-s(?P<seed>\d+))?$")
 
@@ -53,6 +51,8 @@ def resolve_model(name: str | Path, cache_dir: Path | None = None) -> Path:
         seed = int(match["seed"] or 0)
         root = (cache_dir or cache_home() / "models") / f"{match['arch']}-{match['preset']}-s{seed}"
         if not (root / "model.safetensors").is_file():
+            from kvwarden.models.make_model import make_model  # torch: only when a model must be made
+
             make_model(match["arch"], match["preset"], seed, root)
         return root
     path = Path(text)

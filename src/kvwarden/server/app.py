@@ -23,10 +23,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvwarden.server.access_log import AccessLog
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.chat import ChatCompletions
 from kvwarden.server.completions import Completions
-from kvwarden.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvwarden.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvwarden.server.tokenize import Tokenization
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    log_requests: bool = True  # one access-log line per API request (server/access_log.py)
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -125,6 +134,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
     app = FastAPI(title="kvwarden", version="0.1.0", lifespan=lifespan)
     completions = Completions(engine, config.model_name)
     chat = ChatCompletions(engine, config.model_name)
+    tokenization = Tokenization(engine)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -199,4 +209,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
         check_model(req.model)
         return await chat.create(req, request)
 
-    return BodyLimit(app, config.max_body_bytes)
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            check_model(req.model)
+        return tokenization.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            check_model(req.model)
+        return tokenization.detokenize(req)
+
+    return AccessLog(BodyLimit(app, config.max_body_bytes), enabled=config.log_requests)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.formatting import TokenText, chat_logprobs, choice_params, sampling_params, usage
 from kvwarden.server.protocol import ApiError, ChatCompletionRequest
@@ -50,9 +51,11 @@ class ChatCompletions:
         ids = self._prompt(req)
         jobs = self._jobs(req, ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        record = access_record(request)
+        record.request_id = rid
         token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
         if req.stream:
-            chunks = self._stream(req, jobs, rid, token_text, len(ids))
+            chunks = self._stream(req, jobs, rid, token_text, len(ids), record)
             return EventStream(chunks)
         final = await until_disconnected(request, collect(self.engine, jobs, rid))
         choices = []
@@ -76,12 +79,18 @@ class ChatCompletions:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(len(ids), sum(len(o.token_ids) for o in final.values()), final[0].num_cached_tokens),
+            "usage": usage(*_usage_counts(len(ids), final, record)),
         }
         return JSONResponse(body)
 
     async def _stream(
-        self, req: ChatCompletionRequest, jobs: list[Job], rid: str, token_text: TokenText, prompt_len: int
+        self,
+        req: ChatCompletionRequest,
+        jobs: list[Job],
+        rid: str,
+        token_text: TokenText,
+        prompt_len: int,
+        record: AccessRecord,
     ) -> AsyncGenerator[dict[str, Any], None]:
         created = int(time.time())
 
@@ -128,6 +137,13 @@ class ChatCompletions:
                     choice["stop_reason"] = out.stop_reason
                     finals[index] = out
                 yield chunk([choice])
+        counts = _usage_counts(prompt_len, finals, record)
         if req.stream_options is not None and req.stream_options.include_usage:
-            completion = sum(len(o.token_ids) for o in finals.values())
-            yield chunk([], usage=usage(prompt_len, completion, finals[0].num_cached_tokens))
+            yield chunk([], usage=usage(*counts))
+
+
+def _usage_counts(prompt_len: int, finals: dict[int, RequestOutput], record: AccessRecord) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens, also noted for the access log."""
+    counts = (prompt_len, sum(len(o.token_ids) for o in finals.values()), finals[0].num_cached_tokens)
+    record.set_usage(*counts)
+    return counts

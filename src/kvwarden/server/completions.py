@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.formatting import (
     TokenText,
@@ -66,21 +67,23 @@ class Completions:
         prompts = self._prompts(req)
         jobs = self._jobs(req, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        record = access_record(request)
+        record.request_id = rid
         token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
         if req.stream:
-            chunks = self._stream(req, jobs, rid, token_text, prompts)
+            chunks = self._stream(req, jobs, rid, token_text, prompts, record)
             return EventStream(chunks)
         final = await until_disconnected(request, collect(self.engine, jobs, rid))
         choices = [self._choice(req, job.index, final[job.index], token_text) for job in jobs]
-        cached = sum(final[i * req.n].num_cached_tokens for i in range(len(prompts)))
-        completion_tokens = sum(len(o.token_ids) for o in final.values())
+        counts = _usage_counts(req, prompts, final)
+        record.set_usage(*counts)
         body = {
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(sum(len(p) for p in prompts), completion_tokens, cached),
+            "usage": usage(*counts),
         }
         return JSONResponse(body)
 
@@ -109,7 +112,13 @@ class Completions:
         }
 
     async def _stream(
-        self, req: CompletionRequest, jobs: list[Job], rid: str, token_text: TokenText, prompts: list[list[int]]
+        self,
+        req: CompletionRequest,
+        jobs: list[Job],
+        rid: str,
+        token_text: TokenText,
+        prompts: list[list[int]],
+        record: AccessRecord,
     ) -> AsyncGenerator[dict[str, Any], None]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -135,13 +144,22 @@ class Completions:
                     "model": self.model_name,
                     "choices": [choice],
                 }
+        counts = _usage_counts(req, prompts, finals)
+        record.set_usage(*counts)
         if req.stream_options is not None and req.stream_options.include_usage:
-            cached = sum(finals[i * req.n].num_cached_tokens for i in range(len(prompts)))
             yield {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": self.model_name,
                 "choices": [],
-                "usage": usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in finals.values()), cached),
+                "usage": usage(*counts),
             }
+
+
+def _usage_counts(
+    req: CompletionRequest, prompts: list[list[int]], finals: dict[int, RequestOutput]
+) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens: each prompt counted once, every choice's output counted."""
+    cached = sum(finals[i * req.n].num_cached_tokens for i in range(len(prompts)))
+    return sum(len(p) for p in prompts), sum(len(o.token_ids) for o in finals.values()), cached
