@@ -25,7 +25,9 @@ stage llama.cpp "build log: $LOG"
 PY=${PYTHON:-.venv/bin/python}
 if ! ls "$DEST"/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
   stage llama.cpp "downloading the llama-cpp-python $VERSION sdist"
-  run_logged llama.cpp "$LOG" "$PY" -m pip download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$DEST"
+  # Only this package as a source distribution: with --no-binary :all: pip would also build its build
+  # dependencies (CMake itself) from source just to read its metadata.
+  run_logged llama.cpp "$LOG" "$PY" -m pip download --no-binary llama-cpp-python --no-deps "llama-cpp-python==$VERSION" -d "$DEST"
 fi
 rm -rf "$DEST"/llama_cpp_python-*/ "$DEST/build"
 tar -xzf "$DEST"/llama_cpp_python-*.tar.gz -C "$DEST"
