@@ -59,6 +59,8 @@ def run_kvwarden(model: str, reqs: list[tuple[list[int], int]], numerics: str, a
     llm = LLM(
         model,
         numerics=numerics,
+        device=args.device,
+        dtype=args.dtype,
         max_model_len=args.max_input + args.max_output + 8,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -78,11 +80,13 @@ def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argpar
     from kvwarden.models.sources import resolve_model
 
     path = resolve_model(model)
+    dtype = getattr(torch, args.dtype)
     if path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    hf.eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    device = _device(args)
+    hf = hf.to(device).eval()
     pad = 0
     start = time.perf_counter()
     produced = 0
@@ -97,8 +101,8 @@ def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argpar
         max_new = max(n for _, n in batch)
         with torch.no_grad():
             hf.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 do_sample=True,
@@ -107,8 +111,16 @@ def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argpar
                 pad_token_id=pad,
             )
         produced += sum(n for _, n in batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return Result(model, "transformers generate", len(reqs), sum(len(p) for p, _ in reqs), produced, seconds)
+
+
+def _device(args: argparse.Namespace) -> str:
+    from kvwarden.config import resolve_device
+
+    return resolve_device(args.device)
 
 
 def vocab_size(model: str) -> int:
@@ -120,11 +132,11 @@ def vocab_size(model: str) -> int:
     return json.loads((path / "config.json").read_text())["vocab_size"]
 
 
-def print_table(results: list[Result]) -> None:
+def print_table(results: list[Result], device: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="offline throughput (CPU)")
+    table = Table(title=f"offline throughput ({device})")
     for col in ("model", "engine", "requests", "input tok", "output tok", "seconds", "output tok/s", "total tok/s"):
         table.add_column(col)
     for r in results:
@@ -154,6 +166,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (transformers runs on the same device)")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--quick", action="store_true", help="tiny workload to check the script runs")
     args = p.parse_args()
     if args.quick:
@@ -168,9 +182,11 @@ def main() -> None:
                 results.append(run_transformers(model, reqs, args))
             else:
                 results.append(run_kvwarden(model, reqs, engine, args))
-    print_table(results)
+    print_table(results, _device(args))
     summary = {
         "benchmark": "offline",
+        "device": _device(args),
+        "dtype": args.dtype,
         "workload": {
             k: getattr(args, k) for k in ("num_requests", "min_input", "max_input", "min_output", "max_output", "seed")
         },

@@ -20,6 +20,7 @@ ChunkingRule = Literal["kvwarden", "legacy-align", "legacy-align-fixed"]
 DType = Literal["float32", "bfloat16"]
 
 NUMERICS_MODES: tuple[str, ...] = ("canonical", "shape-dependent")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 CHUNKING_RULES: tuple[str, ...] = ("kvwarden", "legacy-align", "legacy-align-fixed")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -44,6 +45,10 @@ class NumericsConfig:
         scan_chunk: tokens per chunk of the canonical recurrent scan (gated delta
             rule, Mamba2 SSD); the grid is fixed to absolute positions and the
             block size must be a multiple of it.
+        kernels: ``"auto"`` - the Triton kernels on a GPU, PyTorch on the CPU;
+            ``"triton"`` - the Triton kernels on the CPU too, which needs Triton's
+            interpreter (``TRITON_INTERPRET=1``): how CI runs the GPU kernels
+            through the whole engine without a GPU.
     """
 
     mode: NumericsMode = "canonical"
@@ -51,6 +56,7 @@ class NumericsConfig:
     key_tile: int = 16
     pointwise_chunk: int = 16384
     scan_chunk: int = 16
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in NUMERICS_MODES:
@@ -60,6 +66,8 @@ class NumericsConfig:
                 raise ValueError(f"numerics.{name} must be >= 1")
         if self.pointwise_chunk % 64:
             raise ValueError("numerics.pointwise_chunk must be a multiple of 64")
+        if self.kernels not in ("auto", "triton"):
+            raise ValueError(f"numerics.kernels: unknown {self.kernels!r}; expected 'auto' or 'triton'")
 
 
 @dataclass(frozen=True)
@@ -71,16 +79,23 @@ class CacheConfig:
         num_blocks: blocks in the pool; ``None`` derives it from ``memory_bytes``.
         memory_bytes: KV memory budget used when ``num_blocks`` is ``None``.
         enable_prefix_caching: reuse full blocks across requests by content hash.
+        gpu_memory_utilization: on a GPU, the share of the device's memory the
+            engine may use in all (weights, activations, KV pool); the KV pool
+            (and recurrent-state pool) gets what is left, as in vLLM. Ignored
+            when ``num_blocks`` is given, and on the CPU (``memory_bytes``).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2")
         if self.memory_bytes < 1:
@@ -119,12 +134,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine needs; built once by :class:`kvwarden.LLM`."""
+    """Everything an engine needs; built once by :class:`kvwarden.LLM`.
+
+    ``device``: ``"cpu"``, ``"cuda"`` (the first GPU), or ``"auto"`` (the GPU when
+    there is one, else the CPU); see :func:`resolve_device`.
+    """
 
     model: str
     dtype: DType = "float32"
     max_model_len: int | None = None
     seed: int = 0
+    device: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
@@ -132,5 +152,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: unknown {self.dtype!r}; expected one of {DTYPES}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: unknown {self.device!r}; expected one of {DEVICES}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+
+
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a configured device; a clear error when CUDA is asked for and absent."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but PyTorch sees no CUDA device (use --device cpu)")
+    return device

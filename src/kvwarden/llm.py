@@ -32,6 +32,13 @@ class LLM:
         numerics: ``"canonical"`` (invariant) or ``"shape-dependent"`` (vendor-style).
         chunking: ``"kvwarden"`` or a legacy hybrid rule.
         seed: seeds the per-request seeds of unseeded sampling requests.
+        device: ``"auto"`` (the GPU when PyTorch sees one, else the CPU),
+            ``"cpu"`` or ``"cuda"``.
+        gpu_memory_utilization: on a GPU, the share of its memory the engine may
+            use; the KV pool gets what weights and activations leave (vLLM's knob).
+            ``num_blocks`` overrides it; on the CPU ``kv_cache_memory`` applies.
+        kernels: ``"auto"``, or ``"triton"`` to run the GPU kernels on the CPU
+            under Triton's interpreter (``TRITON_INTERPRET=1``; slow, for tests).
     """
 
     def __init__(
@@ -49,17 +56,22 @@ class LLM:
         chunking: str = "kvwarden",
         num_speculative_tokens: int = 0,
         seed: int = 0,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        kernels: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
             dtype=dtype,  # type: ignore[arg-type]
             max_model_len=max_model_len,
             seed=seed,
+            device=device,
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,
                 memory_bytes=kv_cache_memory,
                 enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -67,7 +79,7 @@ class LLM:
                 chunking=chunking,  # type: ignore[arg-type]
                 num_speculative_tokens=num_speculative_tokens,
             ),
-            numerics=NumericsConfig(mode=numerics),  # type: ignore[arg-type]
+            numerics=NumericsConfig(mode=numerics, kernels=kernels),  # type: ignore[arg-type]
         )
         self.engine = LLMEngine(config)
 

@@ -1,1 +1,1 @@
-"""kvwarden.bench"""
+"""Measurement code shared by the tests and the ``bench/`` scripts."""

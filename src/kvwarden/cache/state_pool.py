@@ -38,15 +38,26 @@ class RecurrentLayerSpec:
 class StatePool:
     """Owns every recurrent-state tensor; the only place slots are handed out."""
 
-    def __init__(self, specs: list[RecurrentLayerSpec], num_working: int, num_snapshots: int, chunk: int) -> None:
+    def __init__(
+        self,
+        specs: list[RecurrentLayerSpec],
+        num_working: int,
+        num_snapshots: int,
+        chunk: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.specs = specs
         self.chunk = chunk
         self.num_working = num_working
-        self.conv = [torch.zeros(num_working, *s.conv_shape) for s in specs]
-        self.ssm = [torch.zeros(num_working, *s.ssm_shape) for s in specs]
-        self.pending = [torch.zeros(num_working, chunk, s.feature_dim) for s in specs]
-        self.snap_conv = [torch.zeros(num_snapshots, *s.conv_shape) for s in specs]
-        self.snap_ssm = [torch.zeros(num_snapshots, *s.ssm_shape) for s in specs]
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=device)
+
+        self.conv = [zeros(num_working, *s.conv_shape) for s in specs]
+        self.ssm = [zeros(num_working, *s.ssm_shape) for s in specs]
+        self.pending = [zeros(num_working, chunk, s.feature_dim) for s in specs]
+        self.snap_conv = [zeros(num_snapshots, *s.conv_shape) for s in specs]
+        self.snap_ssm = [zeros(num_snapshots, *s.ssm_shape) for s in specs]
         self._free_working = list(range(num_working - 1, -1, -1))
         self.working: dict[str, int] = {}
         self._free_snapshots = list(range(num_snapshots - 1, -1, -1))

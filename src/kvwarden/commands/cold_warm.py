@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from kvwarden.cli import add_engine_args
+from kvwarden.commands.engine_args import add_engine_args
 from kvwarden.models.bundled import documents, questions
 from kvwarden.probe.fingerprint import fingerprint
 

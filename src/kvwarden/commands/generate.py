@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from kvwarden.cli import add_engine_args
+from kvwarden.commands.engine_args import add_engine_args
 
 if TYPE_CHECKING:
     from kvwarden.engine.outputs import RequestOutput

@@ -20,7 +20,7 @@ def is_random_builtin(model: str) -> bool:
 
 def load_llm(args: argparse.Namespace, console: Console, who: str) -> LLM:
     """``LLM(args.model, **engine flags)``, narrated on ``console`` (use a stderr console for JSON output)."""
-    from kvwarden.cli import engine_kwargs
+    from kvwarden.commands.engine_args import engine_kwargs
     from kvwarden.llm import LLM
 
     console.print(f"{who}: loading {args.model} ({args.dtype}, {args.numerics} numerics) ...", highlight=False)

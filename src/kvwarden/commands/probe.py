@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from kvwarden.config import CHUNKING_RULES, NUMERICS_MODES
+from kvwarden.config import CHUNKING_RULES, DEVICES, NUMERICS_MODES
 from kvwarden.probe.builtin import BUILTINS
 from kvwarden.probe.launchers import LAUNCHERS
 
@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budgets", type=int, nargs=2, default=(32, 512), help="the budget scenario's two budgets")
     p.add_argument("--chunking", choices=CHUNKING_RULES, help="kvwarden launcher only: prefill chunking rule")
     p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only: kernels")
+    p.add_argument("--device", choices=DEVICES, help="kvwarden launcher only: cpu, cuda or auto")
     p.add_argument("--num-speculative-tokens", type=int, default=2, help="draft tokens in arms with speculation")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server dtype (vLLM serves Qwen3-Next in bfloat16)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunking=args.chunking,
         numerics=args.numerics,
+        device=args.device,
         num_speculative_tokens=args.num_speculative_tokens,
         dtype=args.dtype,
         extra_args=tuple(args.server_arg),

@@ -13,7 +13,7 @@ import logging
 import socket
 import sys
 
-from kvwarden.cli import add_engine_args
+from kvwarden.commands.engine_args import add_engine_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -16,15 +16,15 @@ from kvwarden.cache.block_pool import BlockPool
 from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
-from kvwarden.config import EngineConfig
+from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import prompt_logprob_rows, sample_row
+from kvwarden.engine.sampler import prompt_logprob_rows, row_math_for, sample_row
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvwarden.engine.stop import update_text_and_check_stop
-from kvwarden.layers.numerics import make_ops
+from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
 
@@ -36,7 +36,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.ops = make_ops(config.numerics)
+        self.device = resolve_device(config.device)
+        self.ops = make_ops(config.numerics, self.device)
+        self.row_math = row_math_for(self.device if config.numerics.kernels == "auto" else "cuda")
         self.loaded: LoadedModel = load(resolve_model(config.model), config.dtype, self.ops, config.max_model_len)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -47,21 +49,23 @@ class LLMEngine:
         cache = config.cache
         model = self.loaded.model
         specs = model.recurrent_specs()
-        if specs and config.numerics.mode == "canonical" and cache.block_size % config.numerics.scan_chunk:
+        if specs and self.ops.scan_mode == "chunked" and cache.block_size % config.numerics.scan_chunk:
             raise ValueError(
                 f"block_size: {cache.block_size} must be a multiple of the recurrent scan chunk "
                 f"({config.numerics.scan_chunk}) so every block boundary is a scan grid point"
             )
         # A recurrent-state snapshot lives with its block: count it in the per-block budget.
         per_block = kv_bytes_per_block(model, cache.block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
-        self.num_blocks = cache.num_blocks or max(2, cache.memory_bytes // per_block)
+        self.num_blocks = cache.num_blocks or max(2, self._cache_budget(specs) // per_block)
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
         self.kv: KVCacheManager | HybridCacheManager = KVCacheManager(
             self.pool, cache.block_size, cache.enable_prefix_caching
         )
         self.states: StatePool | None = None
         if specs:
-            self.states = StatePool(specs, config.scheduler.max_num_seqs, self.num_blocks, config.numerics.scan_chunk)
+            self.states = StatePool(
+                specs, config.scheduler.max_num_seqs, self.num_blocks, config.numerics.scan_chunk, self.ops.device
+            )
             self.kv = HybridCacheManager(self.kv, self.states)
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size)
         self.runner = ModelRunner(model, self.num_blocks, cache.block_size, config.numerics, self.states)
@@ -73,6 +77,38 @@ class LLMEngine:
         self.last_scheduled: list[tuple[str, int, int]] = []  # (request, start, end) of the last step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _cache_budget(self, specs: list) -> int:
+        """Bytes for the KV pool (and the state snapshots that live with its blocks).
+
+        On the CPU: ``memory_bytes``. On a GPU, as vLLM does: the share
+        ``gpu_memory_utilization`` of the device's memory, minus what is in use
+        now (weights, other processes), minus the working states of
+        ``max_num_seqs`` requests and an estimate of one step's activations.
+        """
+        if self.device != "cuda":
+            return self.config.cache.memory_bytes
+        import gc
+
+        import torch
+
+        gc.collect()  # an engine dropped just before this one still holds its pool in the allocator's cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        cfg, sched = self.model_config, self.config.scheduler
+        working = sched.max_num_seqs * StatePool.snapshot_bytes(specs) * 2 if specs else 0
+        width = max(cfg.hidden_size, cfg.intermediate_size, 1)
+        # per token of the step: a few hidden-sized float32 buffers plus the widest projection, and the
+        # sampled rows' float32 logits; doubled for allocator slack
+        activations = 2 * sched.max_num_batched_tokens * 4 * (8 * cfg.hidden_size + 4 * width)
+        activations += 2 * sched.max_num_seqs * 4 * cfg.vocab_size
+        budget = int(total * self.config.cache.gpu_memory_utilization) - (total - free) - working - activations
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.config.cache.gpu_memory_utilization} leaves no memory for the KV "
+                f"cache ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+            )
+        return budget
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -178,7 +214,8 @@ class LLMEngine:
     def _sample(self, chunk: ScheduledChunk, step: StepLogits) -> RequestOutput:
         req = chunk.request
         row = step.logits[step.sample_rows[req.request_id]]
-        sample = sample_row(row, req.params, req.seed, len(req.output_token_ids))
+        # keyed by the absolute position the token will take (not by the step or the batch)
+        sample = sample_row(row, req.params, req.seed, len(req.all_token_ids), self.row_math)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
         req.append_token(sample.token_id)
@@ -201,7 +238,7 @@ class LLMEngine:
             if req.capture_logits:
                 # Positions recorded before a preemption are recomputed identically; skip them.
                 have = len(req.prompt_logits)
-                req.prompt_logits.extend(step.logits[r].clone() for r in rows[max(0, have - first) :])
+                req.prompt_logits.extend(step.logits[r].cpu() for r in rows[max(0, have - first) :])
             k = req.params.prompt_logprobs
             if k is None:
                 continue
@@ -212,7 +249,7 @@ class LLMEngine:
             if usable:
                 start = first + skip
                 next_tokens = req.prompt_token_ids[start + 1 : start + 1 + len(usable)]
-                req.prompt_logprobs.extend(prompt_logprob_rows(step.logits[usable], next_tokens, k))
+                req.prompt_logprobs.extend(prompt_logprob_rows(step.logits[usable], next_tokens, k, self.row_math))
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(req, reason)

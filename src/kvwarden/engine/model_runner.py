@@ -1,9 +1,11 @@
 """Turns a scheduled step into tensors, runs the model, returns logits rows.
 
 Owns the KV tensors: per attention layer a flat ``[num_blocks * block_size + 1,
-kv_heads, head_dim]`` K and a V with one extra column of ones. The extra last
-slot stays zero forever; the canonical attention kernel points every key past a
-request's context at it.
+kv_heads, head_dim]`` K and V, in the layout the numerics backend asks for (the
+CPU's canonical kernel wants a ones column on V; see ``Ops.new_kv_cache``). The
+extra last slot stays zero forever; the canonical CPU kernel points every key
+past a request's context at it. Step tensors are built on the host and copied
+to the backend's device once per step.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
 from kvwarden.engine.scheduler import SchedulerOutput
-from kvwarden.layers.attention import SeqAttn, build_plan
+from kvwarden.layers.attention import SeqAttn
 from kvwarden.models.common import TraceSink
 from kvwarden.models.decoder import DecoderModel, ForwardBatch, SeqSlice
 
@@ -44,6 +46,7 @@ class StepLogits:
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
+    """Upper bound of one block's KV bytes over every attention layer (V may carry a ones column)."""
     heads, dim = model.kv_shape()
     elem = torch.empty((), dtype=model.dtype).element_size()
     return model.num_attention_layers * block_size * heads * (2 * dim + 1) * elem
@@ -64,14 +67,12 @@ class ModelRunner:
         self.block_size = block_size
         self.numerics = numerics
         heads, dim = model.kv_shape()
+        self.ops = model.ops
+        self.device = model.ops.device
         self.null_slot = num_blocks * block_size
-        slots = self.null_slot + 1
-        # V carries a ones column so the attention kernel gets softmax row sums from
-        # the same fixed-shape product as the numerator; the null slot stays all zero.
-        self.kv_caches = [
-            (torch.zeros(slots, heads, dim, dtype=model.dtype), torch.zeros(slots, heads, dim + 1, dtype=model.dtype))
-            for _ in range(model.num_attention_layers)
-        ]
+        slots = self.null_slot + 1  # the null slot stays all zero
+        layers = model.num_attention_layers
+        self.kv_caches = [self.ops.new_kv_cache(slots, heads, dim, model.dtype) for _ in range(layers)]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
@@ -80,6 +81,7 @@ class ModelRunner:
         slot_list: list[torch.Tensor] = []
         seqs: list[SeqAttn] = []
         slices: list[SeqSlice] = []
+        block_ids: list[list[int]] = []
         sample_rows: dict[str, int] = {}
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
         want_rows: list[int] = []
@@ -88,7 +90,9 @@ class ModelRunner:
             row0 = len(ids)
             ids.extend(req.all_token_ids[chunk.start : chunk.end])
             positions.extend(range(chunk.start, chunk.end))
-            slots = self._slots(kv.block_ids(req.request_id), chunk.end)
+            blocks = kv.block_ids(req.request_id)
+            block_ids.append(blocks)
+            slots = self._slots(blocks, chunk.end)
             slot_list.append(slots[chunk.start : chunk.end])
             seqs.append(SeqAttn(row0, chunk.num_tokens, chunk.start, slots))
             slices.append(SeqSlice(req.request_id, row0, chunk.num_tokens, chunk.start))
@@ -100,11 +104,12 @@ class ModelRunner:
             if chunk.completes:
                 sample_rows[req.request_id] = len(want_rows)
                 want_rows.append(row0 + chunk.num_tokens - 1)
-        plan = build_plan(seqs, len(ids), self.numerics.row_tile, self.numerics.key_tile, self.null_slot)
+        plan = self.ops.attention_plan(seqs, len(ids), block_ids, self.null_slot)
+        dev = self.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slot_mapping=torch.cat(slot_list),
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=torch.cat(slot_list).to(dev, non_blocking=True),
             plan=plan,
             seqs=slices,
             states=self.states,
@@ -114,9 +119,9 @@ class ModelRunner:
         )
         hidden = self.model.forward(batch, self.kv_caches)
         if want_rows:
-            logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long)])
+            logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(dev)])
         else:
-            logits = torch.empty((0, 0))
+            logits = torch.empty((0, 0), device=dev)
         return StepLogits(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:

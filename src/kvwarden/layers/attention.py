@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +68,7 @@ class AttentionPlan:
     seqs: tuple[SeqAttn, ...]
     groups: tuple[TileGroup, ...]
     num_rows: int
+    meta: Any = None  # a GPU backend's own per-step tensors (kernels/attention.AttentionMeta)
 
 
 def build_plan(
@@ -225,11 +227,12 @@ def shape_dependent_attention(
     out = q.new_empty((rows, hq, d))
     for seq in plan.seqs:
         ctx = seq.start_pos + seq.num_queries
-        k = _expand_heads(k_cache[seq.slots[:ctx]], rep).transpose(0, 1)
-        v = _expand_heads(v_cache[seq.slots[:ctx], :, :d], rep).transpose(0, 1)
+        slots = seq.slots[:ctx].to(q.device)
+        k = _expand_heads(k_cache[slots], rep).transpose(0, 1)
+        v = _expand_heads(v_cache[slots, :, :d], rep).transpose(0, 1)
         qs = q[seq.row_start : seq.row_start + seq.num_queries].transpose(0, 1)
-        qpos = torch.arange(seq.start_pos, ctx).view(-1, 1)
-        mask = torch.arange(ctx).view(1, -1) <= qpos
+        qpos = torch.arange(seq.start_pos, ctx, device=q.device).view(-1, 1)
+        mask = torch.arange(ctx, device=q.device).view(1, -1) <= qpos
         o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[seq.row_start : seq.row_start + seq.num_queries] = o.transpose(0, 1)
     return out

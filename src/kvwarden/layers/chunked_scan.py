@@ -1,6 +1,6 @@
 """Driving a recurrent layer's scan for one request's chunk, and where its state goes.
 
-Two drivers with one signature:
+Three drivers with one signature:
 
 * :func:`canonical_scan` - kvwarden's. The chunk grid is fixed to absolute
   positions (multiples of ``chunk``). The working state holds the recurrent
@@ -16,6 +16,10 @@ Two drivers with one signature:
   decode), the working state is the state at the current position, and only a
   chunk that ends exactly on a block boundary leaves a state behind (vLLM's
   align mode).
+* :func:`recurrent_scan` - kvwarden's on a GPU: the kernel applies the
+  per-token update token by token (:mod:`kvwarden.layers.kernels.recurrent`),
+  so the working state is simply the state after the last token, and every
+  block boundary inside the call is captured from inside the kernel's loop.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ ChunkKernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.T
 # (packed rows [n, F], state) -> (outputs [n, O], state after the last row)
 SeqKernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Capture = Callable[[int, torch.Tensor], None]
+# (packed rows [n, F], state (updated in place), token indices to capture after) -> (outputs [n, O], captured)
+StepKernel = Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -88,4 +94,22 @@ def vendor_scan(
     end = start + new.shape[0]
     if end % block_size == 0:
         capture(end, state.ssm)
+    return out
+
+
+def recurrent_scan(
+    new: torch.Tensor,
+    start: int,
+    state: ScanState,
+    block_size: int,
+    kernel: StepKernel,
+    capture: Capture,
+) -> torch.Tensor:
+    """Outputs for positions ``[start, start + len(new))``; the state at every boundary crossed is captured."""
+    n = new.shape[0]
+    first = (start // block_size + 1) * block_size
+    after = [b - start - 1 for b in range(first, start + n + 1, block_size)]
+    out, captured = kernel(new, state.ssm, after)
+    for index, snapshot in zip(after, captured, strict=True):
+        capture(start + index + 1, snapshot)
     return out

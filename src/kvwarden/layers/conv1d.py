@@ -3,8 +3,9 @@
 NOTE(invariance): ``out[t] = silu(b + w[0] x[t-K+1] + ... + w[K-1] x[t])`` is
 written as an explicit left fold of element-wise products in tap order, so a
 position's output is the same IEEE arithmetic whether it is computed in a
-4000-token prefill or a 1-token decode. The conv state is the last K-1 raw
-inputs, zeros before position 0.
+4000-token prefill or a 1-token decode. The fold runs in float32 and rounds
+once to the model's dtype before the activation, as a library convolution
+accumulates. The conv state is the last K-1 raw inputs, zeros before position 0.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ def causal_conv1d(
     """
     k = weight.shape[1]
     n = x.shape[0]
-    window = torch.cat([state.to(x.dtype), x], dim=0)  # [K-1+n, C]
-    acc = window[0:n] * weight[:, 0]
+    window = torch.cat([state.float(), x.float()], dim=0)  # [K-1+n, C]; model-dtype values are exact in float32
+    w = weight.float()
+    acc = window[0:n] * w[:, 0]
     for tap in range(1, k):
-        acc = acc + window[tap : tap + n] * weight[:, tap]
+        acc = acc + window[tap : tap + n] * w[:, tap]
     if bias is not None:
-        acc = acc + bias
-    return silu(acc), window[n:].clone()
+        acc = acc + bias.float()
+    return silu(acc.to(x.dtype)), window[n:].clone()
 
 
 def shape_dependent_conv1d(

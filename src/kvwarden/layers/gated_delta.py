@@ -44,7 +44,7 @@ def chunk_step(
         meaningful when all C rows are real tokens.
     """
     c = q.shape[1]
-    upper = torch.ones(c, c, dtype=torch.bool).triu(1)
+    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
     cum = torch.cumsum(g, dim=-1)  # sequential: row i sums rows <= i

@@ -42,7 +42,7 @@ def chunk_step(
         ``(y [H, L, P], state at the chunk's end)`` (end state meaningful for full chunks).
     """
     length = x.shape[1]
-    upper = torch.ones(length, length, dtype=torch.bool).triu(1)
+    upper = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
     da = dt * a.unsqueeze(-1)  # [H, L]
     x_dt = x * dt.unsqueeze(-1)
     cum = torch.cumsum(da, dim=-1)  # sequential

@@ -35,6 +35,14 @@ from itertools import pairwise
 import torch
 
 from kvwarden.config import NumericsConfig
+from kvwarden.layers.attention import (
+    AttentionPlan,
+    SeqAttn,
+    build_plan,
+    canonical_attention,
+    shape_dependent_attention,
+)
+from kvwarden.layers.rotary import RotaryEmbedding
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,9 +56,13 @@ class Ops:
     """
 
     name = "shape-dependent"
+    # How recurrent layers scan: "vendor" (grid from the chunk's start, state only at chunk ends),
+    # "chunked" (kvwarden's absolute 16-row grid, CPU) or "recurrent" (token by token, GPU).
+    scan_mode = "vendor"
 
     def __init__(self, config: NumericsConfig) -> None:
         self.config = config
+        self.device = torch.device("cpu")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for ``x`` of shape ``[rows, in]``.
@@ -94,11 +106,76 @@ class Ops:
         """Float32 log-softmax over the last dimension of ``[rows, vocab]``."""
         return self.rows(lambda t: torch.log_softmax(t.float(), dim=-1), x)
 
+    # Named element-wise and row ops: what the models call, so that a backend without
+    # generic callables (Triton) can supply a kernel for each.
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pointwise(torch.sigmoid, x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pointwise(torch.nn.functional.silu, x)
+
+    def softplus(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pointwise(torch.nn.functional.softplus, x)
+
+    def softmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax over the last dimension of ``[rows, n]``."""
+        return self.rows(lambda t: torch.softmax(t, dim=-1), x)
+
+    def sum_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.sum(-1, keepdim=True)`` for ``[rows, n]``."""
+        return self.rows(lambda t: t.sum(dim=-1, keepdim=True), x)
+
+    def l2_norm_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """``sqrt(sum(x * x) + eps)`` per row of ``[rows, n]`` (keepdim)."""
+        return self.rows(lambda t: torch.sqrt((t * t).sum(dim=-1, keepdim=True) + eps), x)
+
+    def topk_rows(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest values of each row and their indices."""
+        return torch.topk(x, k, dim=-1)
+
+    def rope(self, rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x [tokens, heads, head_dim]`` at absolute ``positions``."""
+        return rope.apply(x, positions)
+
+    # Attention over the paged cache: its layout, writes, per-step plan and kernel.
+    def new_kv_cache(self, slots: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K ``[slots, heads, dim]`` and V ``[slots, heads, dim + 1]``: V carries a ones column so the
+        canonical CPU kernel gets softmax row sums from the same fixed-shape product as the numerator."""
+        return torch.zeros(slots, heads, dim, dtype=dtype), torch.zeros(slots, heads, dim + 1, dtype=dtype)
+
+    def write_kv(
+        self, kv: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write a step's K/V rows at their cache slots."""
+        k_cache, v_cache = kv
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        ones = v.new_ones((v.shape[0], v.shape[1], 1))
+        v_cache.index_copy_(0, slots, torch.cat([v, ones], -1).to(v_cache.dtype))
+
+    def attention_plan(
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+    ) -> AttentionPlan:
+        """Everything the attention layers need for one step, built once per step."""
+        return build_plan(seqs, num_rows, self.config.row_tile, self.config.key_tile, null_slot)
+
+    def attention(
+        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
+    ) -> torch.Tensor:
+        """Causal attention of ``q [rows, Hq, D]`` over each request's cached context."""
+        return shape_dependent_attention(q, kv[0], kv[1], plan, scale)
+
 
 class CanonicalOps(Ops):
     """Ops whose per-row results are independent of batch and chunk shape."""
 
     name = "canonical"
+    scan_mode = "chunked"
+
+    def attention(
+        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
+    ) -> torch.Tensor:
+        nc = self.config
+        return canonical_attention(q, kv[0], kv[1], plan, scale, self.exp, nc.row_tile, nc.key_tile)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # NOTE(invariance): one torch.mm per tile of exactly row_tile rows; the
@@ -152,13 +229,11 @@ def _tiled_rows(fn: RowFn, x: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers: normalise in float32, cast back, then scale by the weight.
+    # As transformers: normalise in float32, cast back, then scale by the weight (Llama, Qwen3);
+    # a float32 weight on a lower-precision row scales in float32 and rounds once (Qwen3-Next).
     xf = x.float()
     variance = (xf * xf).mean(dim=-1, keepdim=True)
     normed = xf * (1.0 / torch.sqrt(variance + eps))
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return (weight * normed).to(x.dtype)
     return weight * normed.to(x.dtype)
-
-
-def make_ops(config: NumericsConfig) -> Ops:
-    """The ops object for a numerics mode."""
-    return CanonicalOps(config) if config.mode == "canonical" else Ops(config)

@@ -93,15 +93,23 @@ def _yarn(dim: int, base: float, params: dict[str, Any], max_positions: int) -> 
 class RotaryEmbedding:
     """cos/sin table for positions ``[0, max_positions)``; applies rope to q and k."""
 
-    def __init__(self, head_dim: int, rotary_dim: int, params: dict[str, Any], max_positions: int) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        params: dict[str, Any],
+        max_positions: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         inv_freq, scale = inverse_frequencies(rotary_dim, params, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos() * scale
-        self.sin = emb.sin() * scale
+        # computed on the CPU (one table for every device), then moved
+        self.cos = (emb.cos() * scale).to(device)
+        self.sin = (emb.sin() * scale).to(device)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape ``[tokens, heads, head_dim]`` at ``positions``."""

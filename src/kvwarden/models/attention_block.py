@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvwarden.layers.attention import canonical_attention, shape_dependent_attention
 from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 from kvwarden.models.common import ForwardBatch, WeightGetter, norm_weight, require
@@ -47,27 +46,20 @@ class AttentionBlock:
             q = ops.rms_norm(q.reshape(-1, d), self.q_norm, cfg.rms_norm_eps).view(q.shape)
             k = ops.rms_norm(k.reshape(-1, d), self.k_norm, cfg.rms_norm_eps).view(k.shape)
         if self.rope is not None:
-            q = self.rope.apply(q, batch.positions)
-            k = self.rope.apply(k, batch.positions)
+            q = ops.rope(self.rope, q, batch.positions)
+            k = ops.rope(self.rope, k, batch.positions)
         batch.trace(f"{self.name}.q", q)
         batch.trace(f"{self.name}.k", k)
         batch.trace(f"{self.name}.v", v)
+        ops.write_kv(kv, batch.slot_mapping, k, v)
         k_cache, v_cache = kv
-        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        ones = v.new_ones((rows, v.shape[1], 1))  # the ones column of the V cache (see ModelRunner)
-        v_cache.index_copy_(0, batch.slot_mapping, torch.cat([v, ones], -1).to(v_cache.dtype))
         if batch.tracer is not None:  # the context as read, cached positions included
             for seq, attn_seq in zip(batch.seqs, batch.plan.seqs, strict=True):
                 slots = attn_seq.slots[: seq.start + seq.num_tokens]
                 batch.tracer.record_context(f"{self.name}.k_ctx", seq.request_id, k_cache[slots])
                 batch.tracer.record_context(f"{self.name}.v_ctx", seq.request_id, v_cache[slots, :, :d])
-        if ops.name == "canonical":
-            nc = ops.config
-            o = canonical_attention(q, k_cache, v_cache, batch.plan, self.scale, ops.exp, nc.row_tile, nc.key_tile)
-        else:
-            o = shape_dependent_attention(q, k_cache, v_cache, batch.plan, self.scale)
-        o = o.reshape(rows, -1)
+        o = ops.attention(q, kv, batch.plan, self.scale, batch.block_size).reshape(rows, -1)
         batch.trace(f"{self.name}.core", o)
         if gate is not None:
-            o = o * ops.pointwise(torch.sigmoid, gate)
+            o = o * ops.sigmoid(gate)
         return ops.linear(o, self.wo, self.bo)

@@ -74,6 +74,11 @@ def require(get: WeightGetter, name: str) -> torch.Tensor:
 
 
 def norm_weight(cfg: ModelConfig, get: WeightGetter, name: str) -> torch.Tensor:
-    """RMSNorm weight as applied: Qwen3-Next stores ``w`` and scales by ``1 + w``."""
+    """RMSNorm weight as applied: Qwen3-Next stores ``w`` and scales by ``1 + w``.
+
+    Qwen3-Next's norm multiplies in float32 and rounds once (``(x * (1 + w)).to(dtype)``, where
+    Llama rounds the normalised row first): its weight stays float32, which ``rms_norm`` reads as
+    that convention.
+    """
     w = require(get, name)
-    return (1.0 + w.float()).to(w.dtype) if cfg.norm_offset else w
+    return 1.0 + w.float() if cfg.norm_offset else w

@@ -69,7 +69,7 @@ class DecoderModel:
         self.embed = require(get, "model.embed_tokens.weight")
         rope = None
         if cfg.use_rope and cfg.attention_layers:
-            rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_parameters, max_positions)
+            rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_parameters, max_positions, ops.device)
         self.layers = [DecoderLayer(cfg, get, i, ops, rope) for i in range(cfg.num_hidden_layers)]
         for kv_i, i in enumerate(cfg.attention_layers):
             self.layers[i].kv_index = kv_i

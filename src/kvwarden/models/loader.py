@@ -48,7 +48,7 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
 
     def get(name: str) -> torch.Tensor | None:
         t = tensors.get(name)
-        return None if t is None else t.to(torch_dtype).contiguous()
+        return None if t is None else t.to(torch_dtype).contiguous().to(ops.device)
 
     max_positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     model = DecoderModel(cfg, get, ops, max_positions)

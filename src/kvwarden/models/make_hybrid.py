@@ -84,6 +84,29 @@ QWEN3_NEXT_PRESETS["compat"] = {
     "mlp_only_layers": [0],
 }
 
+# Qwen3-Next's structure (3 linear-attention layers per full-attention layer, gated attention with
+# head dim 256 and partial rope, 2 KV heads, sparse MoE with a shared expert) at about Qwen3-0.6B's
+# size: about 0.7B parameters, 155M of them the 151,936-row embedding.
+QWEN3_NEXT_PRESETS["0.6b"] = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 24,
+    "full_attention_interval": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 512,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+}
+
 GRANITE_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "hidden_size": 64,
@@ -115,6 +138,7 @@ GRANITE_PRESETS: dict[str, dict[str, Any]] = {
 def qwen3_next_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any]:
     p = dict(QWEN3_NEXT_PRESETS[preset])
     n, interval = p["num_hidden_layers"], p.pop("full_attention_interval")
+    max_positions = p.pop("max_position_embeddings", 4096)
     return {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
@@ -125,7 +149,7 @@ def qwen3_next_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, 
         "decoder_sparse_step": 1,
         "norm_topk_prob": True,
         "hidden_act": "silu",
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         "partial_rotary_factor": 0.25,
@@ -141,6 +165,8 @@ def qwen3_next_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, 
 
 def granite_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any]:
     preset = "small" if preset == "compat" else preset
+    if preset not in GRANITE_PRESETS:
+        raise ValueError(f"--preset: granite_hybrid has no {preset!r} preset (it has {sorted(GRANITE_PRESETS)})")
     return {
         "architectures": ["GraniteMoeHybridForCausalLM"],
         "model_type": "granitemoehybrid",

@@ -46,13 +46,19 @@ class Preset:
 # Tiny presets run a whole test in milliseconds; small ones are the benchmark size.
 # Qwen3 presets use a head_dim different from hidden/heads and tied embeddings,
 # Llama presets untied embeddings, so the presets between them cover both cases.
-VOCAB_SIZES = {"tiny": 1024, "small": 2048, "compat": 2048}
+VOCAB_SIZES = {"tiny": 1024, "small": 2048, "compat": 2048, "0.6b": 8192}  # the trained tokenizer
+# The embedding of the 0.6b presets has Qwen3's 151,936 rows (the LM head's real cost on a GPU);
+# ids past the tokenizer's vocabulary decode to nothing, as a real model's padding rows do.
+EMBEDDING_ROWS = {"0.6b": 151936}
+WEIGHT_DTYPES = {"0.6b": torch.bfloat16}  # as published checkpoints of that size ship
 
 PRESET_TABLE: dict[tuple[str, str], Preset] = {
     ("llama", "tiny"): Preset(1024, 64, 128, 2, 4, 2, 16, 4096, False),
     ("llama", "small"): Preset(2048, 256, 768, 4, 8, 4, 32, 4096, False),
     ("qwen3", "tiny"): Preset(1024, 64, 128, 2, 4, 1, 32, 4096, True),
     ("qwen3", "small"): Preset(2048, 256, 768, 4, 8, 2, 64, 4096, True),
+    ("qwen3", "0.6b"): Preset(151936, 1024, 3072, 28, 16, 8, 128, 40960, True),
+    ("llama", "0.6b"): Preset(151936, 1024, 3072, 28, 16, 8, 128, 40960, False),
 }
 
 
@@ -158,7 +164,7 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(VOCAB_SIZES[preset])
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = EMBEDDING_ROWS.get(preset, tok.get_vocab_size(with_added_tokens=True))
     eos = tok.token_to_id("<|im_end|>")
     bos = tok.token_to_id("<|endoftext|>")
     if arch == "qwen3_next":
@@ -167,7 +173,12 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
         cfg = granite_config(preset, vocab, eos, bos)
     else:
         cfg = hf_config(arch, PRESET_TABLE[(arch, "small" if preset == "compat" else preset)], vocab, eos, bos)
-    save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(cfg, seed)
+    if preset in WEIGHT_DTYPES:
+        dtype = WEIGHT_DTYPES[preset]
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, bos]})
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")

@@ -59,10 +59,10 @@ class SparseMoE:
         ops, k = self.ops, self.moe.top_k
         rows = h.shape[0]
         logits = ops.linear(h, self.router).float()
-        probs = ops.rows(lambda t: torch.softmax(t, dim=-1), logits)
-        weights, chosen = torch.topk(probs, k, dim=-1)
+        probs = ops.softmax_rows(logits)
+        weights, chosen = ops.topk_rows(probs, k)
         if self.moe.norm_topk_prob:
-            weights = weights / ops.rows(lambda t: t.sum(dim=-1, keepdim=True), weights)
+            weights = weights / ops.sum_rows(weights)
         weights = weights.to(h.dtype)
         per_rank = h.new_zeros((rows, k, h.shape[1]))
         for e in torch.unique(chosen).tolist():
@@ -75,7 +75,7 @@ class SparseMoE:
         if self.shared is not None:
             shared = self.shared(h)
             if self.shared_gate is not None:
-                shared = shared * ops.pointwise(torch.sigmoid, ops.linear(h, self.shared_gate))
+                shared = shared * ops.sigmoid(ops.linear(h, self.shared_gate))
             combined = combined + shared
         return combined
 

@@ -15,7 +15,7 @@ import torch
 
 from kvwarden.cache.state_pool import RecurrentLayerSpec
 from kvwarden.layers import gated_delta, mamba2
-from kvwarden.layers.chunked_scan import canonical_scan, vendor_scan
+from kvwarden.layers.chunked_scan import canonical_scan, recurrent_scan, vendor_scan
 from kvwarden.layers.conv1d import causal_conv1d, shape_dependent_conv1d
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
@@ -55,10 +55,13 @@ class _RecurrentBlock:
                 states.stage(seq.request_id, pos, layer, window[at : at + k1], ssm)
 
             feats = features(conv_out, seq.row_start)
-            if canonical:
+            mode = self.ops.scan_mode
+            if mode == "chunked":
                 out = canonical_scan(
                     feats, seq.start, scan_state, batch.scan_chunk, batch.block_size, self._chunk_kernel, capture
                 )
+            elif mode == "recurrent":
+                out = recurrent_scan(feats, seq.start, scan_state, batch.block_size, self._step_kernel, capture)
             else:
                 out = vendor_scan(feats, seq.start, scan_state, batch.block_size, self._vendor_kernel, capture)
             conv_state.copy_(new_conv)
@@ -68,12 +71,17 @@ class _RecurrentBlock:
         return result
 
     def _silu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.pointwise(torch.nn.functional.silu, x)
+        return self.ops.silu(x)
 
     def _chunk_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def _vendor_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _step_kernel(
+        self, rows: torch.Tensor, state: torch.Tensor, capture_after: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -110,8 +118,8 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         ba = ops.linear(h, self.w_ba).view(rows, hk, 2 * rep)
         b, a = ba[..., :rep].reshape(rows, hv), ba[..., rep:].reshape(rows, hv)
         mixed = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], dim=-1)
-        beta = ops.pointwise(torch.sigmoid, b.float())
-        decay = self.neg_a * ops.pointwise(torch.nn.functional.softplus, a.float() + self.dt_bias)
+        beta = ops.sigmoid(b.float())
+        decay = self.neg_a * ops.softplus(a.float() + self.dt_bias)
         gb = torch.cat([decay, beta], dim=-1)
 
         def features(conv_out: torch.Tensor, r0: int) -> torch.Tensor:
@@ -150,6 +158,15 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         out, end = gated_delta.shape_dependent_scan(q, k, v, decay, beta, state)
         return out.transpose(0, 1).reshape(rows.shape[0], -1), end
 
+    def _step_kernel(
+        self, rows: torch.Tensor, state: torch.Tensor, capture_after: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, decay, beta = self._unpack(rows)  # [Hv, n, d] -> the kernel's [n, Hv, d]
+        out, caps = self.ops.gated_delta_scan(  # type: ignore[attr-defined]
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), decay.t(), beta.t(), state, capture_after
+        )
+        return out.reshape(rows.shape[0], -1), caps
+
 
 class Mamba2Block(_RecurrentBlock):
     """Granite's Mamba2 mixer: in_proj -> conv -> SSD scan -> gated group RMSNorm -> out_proj."""
@@ -179,7 +196,7 @@ class Mamba2Block(_RecurrentBlock):
         rows = h.shape[0]
         proj = ops.linear(h, self.w_in, self.b_in)
         gate, xbc, dt = torch.split(proj, [m.inner, m.conv_dim, m.num_heads], dim=-1)
-        dt = ops.pointwise(torch.nn.functional.softplus, dt.float() + self.dt_bias)
+        dt = ops.softplus(dt.float() + self.dt_bias)
         lo, hi = m.time_step_limit
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(lo, hi)
@@ -190,7 +207,7 @@ class Mamba2Block(_RecurrentBlock):
         y = self._scan_requests(xbc.contiguous(), batch, layer, features)  # [rows, inner]
         gated = y * self._silu(gate.float())
         group = m.inner // m.n_groups
-        ones = torch.ones(group, dtype=torch.float32)
+        ones = torch.ones(group, dtype=torch.float32, device=h.device)
         normed = ops.rms_norm(gated.reshape(rows * m.n_groups, group), ones, self.eps).reshape(rows, m.inner)
         normed = self.norm * normed.to(h.dtype)
         return ops.linear(normed, self.w_out, self.b_out)
@@ -216,10 +233,19 @@ class Mamba2Block(_RecurrentBlock):
         y, end = mamba2.shape_dependent_scan(x, dt, self.a, b, c, self.d, state)
         return y.transpose(0, 1).reshape(rows.shape[0], -1), end
 
+    def _step_kernel(
+        self, rows: torch.Tensor, state: torch.Tensor, capture_after: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, dt, b, c = self._unpack(rows)  # [H, n, ...] -> the kernel's [n, H, ...]
+        y, caps = self.ops.mamba2_scan(  # type: ignore[attr-defined]
+            x.transpose(0, 1), dt.t(), self.a, b.transpose(0, 1), c.transpose(0, 1), self.d, state, capture_after
+        )
+        return y.reshape(rows.shape[0], -1), caps
+
 
 def _l2norm(x: torch.Tensor, ops: Ops) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` per head vector (row op, IEEE basic arithmetic)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    norm = ops.rows(lambda t: torch.sqrt((t * t).sum(dim=-1, keepdim=True) + 1e-6), flat)
+    norm = ops.l2_norm_rows(flat, 1e-6)
     return (flat / norm).view(shape)

@@ -17,7 +17,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_BUILTIN = re.compile(r"^builtin:(?P<arch>[a-z0-9_]+)-(?P<preset>[a-z]+)(?:-s(?P<seed>\d+))?$")
+_BUILTIN = re.compile(r"^builtin:(?P<arch>[a-z0-9_]+)-(?P<preset>[a-z0-9.]+?)(?:-s(?P<seed>\d+))?$")
 
 
 def cache_home() -> Path:

@@ -39,6 +39,7 @@ class ServerSettings:
     num_speculative_tokens: int = 2
     chunking: str | None = None  # kvwarden only
     numerics: str | None = None  # kvwarden only
+    device: str | None = None  # kvwarden only
     dtype: str | None = None
     extra_args: tuple[str, ...] = ()
 
@@ -153,6 +154,8 @@ class KvwardenLauncher(Launcher):
             cmd += ["--chunking", s.chunking]
         if s.numerics:
             cmd += ["--numerics", s.numerics]
+        if s.device:
+            cmd += ["--device", s.device]
         if s.dtype:
             cmd += ["--dtype", s.dtype]
         if s.speculative or s.chunking in ("legacy-align", "legacy-align-fixed"):

@@ -42,6 +42,7 @@ SERVER_FIELDS = {
     "num_speculative_tokens",
     "chunking",
     "numerics",
+    "device",
     "dtype",
     "extra_args",
 }

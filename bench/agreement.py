@@ -1,0 +1,143 @@
+"""Agreement with transformers on one device: same checkpoint, same dtype, greedy decoding.
+
+For each prompt, transformers' ``generate`` (greedy, raw logits kept) and
+kvwarden (top-20 logprobs) produce ``--max-tokens`` tokens. Reported per model
+and numerics mode: how many prompts agree on every token (bfloat16 ties are
+real: two candidates whose logits differ by less than bf16's resolution can
+swap), the first divergent position otherwise, and the largest |Δ logprob|
+at positions up to the first divergence, over the top-20 tokens and over the
+likely ones (logprob >= -5, what sampling can pick). The run fails if the
+median prompt's largest |Δ| over likely tokens exceeds ``--bound``.
+
+The bound's reason, in bfloat16: a logit carries 8 significant bits, so logits
+of magnitude 16 to 32 are resolved to 0.125 to 0.25; two implementations that
+round at different points differ by that much at the output alone, however
+exact everything before. Tail tokens of a peaked distribution move by the
+same relative amount of a much larger logit, hence the separate column. In
+float32 (TF32 disabled for the reference's convolutions and matmuls) both sides
+agree to about 1e-4.
+
+Prints a table and ends with one JSON line.
+
+    python bench/agreement.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", help="model (repeatable); default builtin:llama-small")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--prompts", type=int, default=8, help="random prompts per model")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument(
+        "--bound",
+        type=float,
+        default=None,
+        help="max |Δ| over likely tokens for the median prompt (0.25 bf16, 1e-3 fp32)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--numerics", action="append", help="canonical and/or shape-dependent (default canonical)")
+    return p.parse_args()
+
+
+def hf_greedy(hf, prompt: list[int], max_tokens: int, device: str):
+    import torch
+
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1).cpu() for step in out.logits]
+    return tokens, logprobs
+
+
+def main() -> int:
+    args = parse()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvwarden.config import resolve_device
+    from kvwarden.models.sources import resolve_model
+
+    device = resolve_device(args.device)
+    if args.bound is None:
+        args.bound = 0.25 if args.dtype == "bfloat16" else 1e-3
+    # an exact float32 reference: cuDNN convolutions use TF32 unless told not to
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(args.seed)
+    summary: dict[str, dict] = {}
+    for model in args.model or ["builtin:llama-small"]:
+        path = resolve_model(model)
+        vocab = min(json.loads((path / "config.json").read_text())["vocab_size"], 8000)
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(args.prompts)]
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).to(device).eval()
+        start = time.perf_counter()
+        refs = [hf_greedy(hf, p, args.max_tokens, device) for p in prompts]
+        hf_seconds = time.perf_counter() - start
+        del hf
+        for numerics in args.numerics or ["canonical"]:
+            summary[f"{model} ({numerics})"] = _compare(model, numerics, prompts, refs, device, args)
+            summary[f"{model} ({numerics})"]["hf_seconds"] = round(hf_seconds, 1)
+    print(f"Agreement with transformers ({device}, {args.dtype}, {args.max_tokens} greedy tokens, top-20):")
+    print(
+        "| model (numerics) | prompts | all tokens equal | first divergences | median max |Δ| likely | max |Δ| top-20 |"
+    )
+    print("|---|---|---|---|---|---|")
+    for model, s in summary.items():
+        print(
+            f"| {model} | {s['prompts']} | {s['all_tokens_equal']} | {s['first_divergences'] or '-'} | "
+            f"{s['median_max_abs_dlogprob_likely']:.4f} | {s['max_abs_dlogprob']:.4f} |"
+        )
+    print(json.dumps({"device": device, "dtype": args.dtype, "bound": args.bound, "models": summary}))
+    return 0 if all(s["within_bound"] for s in summary.values()) else 1
+
+
+def _compare(model: str, numerics: str, prompts: list, refs: list, device: str, args: argparse.Namespace) -> dict:
+    """kvwarden's greedy run of every prompt against transformers' (tokens, then top-20 logprobs)."""
+    from kvwarden import LLM, SamplingParams
+
+    llm = LLM(model, dtype=args.dtype, device=device, numerics=numerics, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=20, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    rows = []
+    for (tokens, ref_lp), out in zip(refs, outs, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(tokens, out.token_ids, strict=True)) if a != b), None)
+        upto = len(tokens) if first is None else first + 1  # the divergent position's lists still compare
+        worst = likely = 0.0
+        for i in range(upto):
+            for token, lp in out.logprobs[i]:
+                delta = abs(lp - float(ref_lp[i][token]))
+                worst = max(worst, delta)
+                if lp >= -5.0:
+                    likely = max(likely, delta)
+        rows.append({"first_divergence": first, "max_abs_dlogprob": worst, "likely": likely})
+    median = statistics.median(r["likely"] for r in rows)
+    return {
+        "prompts": len(rows),
+        "all_tokens_equal": sum(r["first_divergence"] is None for r in rows),
+        "first_divergences": [r["first_divergence"] for r in rows if r["first_divergence"] is not None],
+        "median_max_abs_dlogprob_likely": median,
+        "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows),
+        "within_bound": median <= args.bound,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

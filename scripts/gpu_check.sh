@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the GPU tests, the invariance matrix, agreement with transformers and a
+# first throughput table, with a summary table printed last. Made for the device tool (no network
+# there): kvwarden runs from src/ (PYTHONPATH), packages the image lacks come from wheels in .whl/.
+#
+#   scripts/gpu_check.sh quick        # tests; matrix and agreement on the small presets (~4 min)
+#   scripts/gpu_check.sh full         # tests; matrix, agreement and throughput on the 0.6b presets (~15 min)
+#   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
+#   scripts/gpu_check.sh full agreement throughput
+#
+# Stages: tests, matrix, agreement, throughput (throughput in full mode only). Logs and JSON results go
+# to $OUT (default /tmp/gpu_check).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-quick}
+shift || true
+STAGES=" ${*:-tests matrix agreement throughput} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false KVWARDEN_HOME=${KVWARDEN_HOME:-/tmp/kvwarden-home}
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+T0=$(date +%s)
+declare -a SUMMARY
+stage() { echo; echo "=== [+$(( $(date +%s) - T0 ))s] $*"; }
+record() { SUMMARY+=("$(printf '%-44s %s' "$1" "$2")"); }
+
+stage "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
+
+if want tests; then
+  stage "kernel and engine tests on the GPU (float32 and bfloat16)"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py tests/test_triton_engine.py \
+    2>&1 | tee "$OUT/tests.log" | tail -n 25
+  record "GPU tests (kernels + engine properties)" "$(tail -n 1 "$OUT/tests.log")"
+fi
+
+if [ "$MODE" = quick ]; then
+  MODELS=(--model builtin:llama-small --model builtin:qwen3_next-small --model builtin:granite_hybrid-small)
+  AGREE=(--model builtin:llama-small --model builtin:qwen3_next-small)
+  PROMPT=200
+else
+  MODELS=(--model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b --model builtin:granite_hybrid-small)
+  AGREE=(--model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b --model builtin:granite_hybrid-small)
+  PROMPT=300
+fi
+
+if want matrix; then
+  stage "invariance matrix, bfloat16 (${MODELS[*]})"
+  timeout 480 python3 bench/invariance.py --device cuda --dtype bfloat16 --prompt-len "$PROMPT" "${MODELS[@]}" \
+    2>&1 | tee "$OUT/invariance.log" | grep -v '^{' | tail -n 20
+  tail -n 1 "$OUT/invariance.log" > "$OUT/invariance.json"
+  record "invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
+  record "invariance: fast path runs differing" "$(python3 -c "import json; print(json.load(open('$OUT/invariance.json'))['fast_path_differing'])" 2>&1 | tail -n 1)"
+fi
+
+if want agreement; then
+  for DT in float32 bfloat16; do
+    stage "agreement with transformers, $DT"
+    timeout 300 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical --numerics shape-dependent \
+      "${AGREE[@]}" 2>&1 | tee "$OUT/agreement-$DT.log" | grep '^|'
+    tail -n 1 "$OUT/agreement-$DT.log" > "$OUT/agreement-$DT.json"
+    record "agreement $DT (equal prompts, median |Δ| likely)" "$(python3 -c "import json; d=json.load(open('$OUT/agreement-$DT.json'))['models']; print({m: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for m, s in d.items()})" 2>&1 | tail -n 1)"
+  done
+fi
+
+if [ "$MODE" = full ] && want throughput; then
+  stage "throughput: kvwarden canonical, kvwarden fast path, transformers generate (bfloat16)"
+  timeout 400 python3 bench/offline.py --device cuda --dtype bfloat16 --models builtin:qwen3-0.6b \
+    --num-requests 64 --min-input 100 --max-input 512 --min-output 64 --max-output 256 \
+    --max-num-seqs 64 --max-num-batched-tokens 4096 --hf-batch 64 2>&1 | tee "$OUT/offline.log" | tail -n 14
+  tail -n 1 "$OUT/offline.log" > "$OUT/offline.json"
+  record "throughput (output tok/s)" "$(python3 -c "import json; print({r['engine']: r['output_tok_s'] for r in json.load(open('$OUT/offline.json'))['results']})" 2>&1 | tail -n 1)"
+fi
+
+echo
+echo "=== summary ($MODE, $(( $(date +%s) - T0 )) s)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"

@@ -1,0 +1,98 @@
+"""The flags every command that builds an engine shares, and the CLI's help format.
+
+Kept apart from ``cli.py`` so that command modules import these without
+importing the command line that imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvwarden.config import CHUNKING_RULES, DEVICES, DTYPES, NUMERICS_MODES
+
+
+def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """Flags shared by every command that builds an engine."""
+    if model:
+        p.add_argument("model", help="model dir, .gguf file, 'smollm2' or 'builtin:<arch>-<preset>'")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block and prefix-cache entry")
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive, default=512, help="token budget of one engine step (all requests)"
+    )
+    p.add_argument("--max-num-seqs", type=_positive, default=32, help="most requests running at once")
+    p.add_argument(
+        "--max-model-len", type=_positive, default=None, help="cap on prompt + output tokens (default: the model's)"
+    )
+    p.add_argument("--num-blocks", type=_positive, default=None, help="KV blocks in the pool (default: --kv-cache-mib)")
+    p.add_argument("--kv-cache-mib", type=_positive, default=512, help="KV cache memory when --num-blocks is not given")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached blocks across requests")
+    p.add_argument(
+        "--numerics",
+        choices=NUMERICS_MODES,
+        default="canonical",
+        help="canonical: logits independent of batch and chunking; shape-dependent: vendor-style, faster",
+    )
+    p.add_argument(
+        "--chunking",
+        choices=CHUNKING_RULES,
+        default="kvwarden",
+        help="prefill chunking rule; legacy-align re-creates vLLM's hybrid align mode",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=_non_negative,
+        default=0,
+        help="> 0 pulls the legacy-align rule's last cacheable position back one block",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the per-request seeds of unseeded sampling requests")
+    p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU when there is one, else the CPU")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="GPU only: share of the device's memory for weights, activations and the KV pool",
+    )
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help line ends with its default, when it has a meaningful one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """``LLM(...)`` keyword arguments from :func:`add_engine_args` flags."""
+    return {
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "num_blocks": args.num_blocks,
+        "kv_cache_memory": args.kv_cache_mib * 1024 * 1024,
+        "numerics": args.numerics,
+        "chunking": args.chunking,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "seed": args.seed,
+        "device": args.device,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value

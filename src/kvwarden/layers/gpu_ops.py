@@ -1,0 +1,176 @@
+"""The two GPU backends behind the :class:`~kvwarden.layers.numerics.Ops` seam.
+
+* :class:`TritonOps` - ``numerics="canonical"`` on CUDA: every GEMM, row
+  reduction, activation, rotary, attention and recurrent scan is one of the
+  Triton kernels in :mod:`kvwarden.layers.kernels`, each invariant by
+  construction (the argument is in each kernel file's docstring).
+* :class:`CudaOps` - ``numerics="shape-dependent"`` on CUDA: cuBLAS GEMMs,
+  PyTorch's fused attention per request and the vendor-style scans, on
+  whatever shape the scheduler produced. It is the labelled fast path the cost
+  of invariance is measured against, and it shows vendor behaviour on real
+  GPU kernels (no emulation needed: cuBLAS picks its algorithm by shape).
+
+Model files never see which one they got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvwarden.config import NumericsConfig
+from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
+from kvwarden.layers.numerics import Ops
+from kvwarden.layers.rotary import RotaryEmbedding
+
+
+class CudaOps(Ops):
+    """Library kernels on CUDA, on whatever shape arrives (not invariant)."""
+
+    name = "shape-dependent"
+
+    def __init__(self, config: NumericsConfig, device: torch.device) -> None:
+        super().__init__(config)
+        self.device = device
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # cuBLAS chooses its algorithm (split-K included) from the problem shape: the real thing.
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def new_kv_cache(self, slots: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.zeros(slots, heads, dim, dtype=dtype, device=self.device),
+            torch.zeros(slots, heads, dim, dtype=dtype, device=self.device),
+        )
+
+    def write_kv(
+        self, kv: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        kv[0].index_copy_(0, slots, k.to(kv[0].dtype))
+        kv[1].index_copy_(0, slots, v.to(kv[1].dtype))
+
+    def attention_plan(
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+    ) -> AttentionPlan:
+        # Slots go to the device once per step; decode requests (one query each) are batched into one
+        # padded attention call per layer, the way vendor engines batch decode.
+        seqs = [SeqAttn(s.row_start, s.num_queries, s.start_pos, s.slots.to(self.device)) for s in seqs]
+        decode = [s for s in seqs if s.num_queries == 1]
+        meta = None
+        if len(decode) > 1:
+            width = max(s.start_pos + 1 for s in decode)
+            slots = torch.full((len(decode), width), null_slot, dtype=torch.long)
+            for i, s in enumerate(decode):
+                slots[i, : s.start_pos + 1] = s.slots[: s.start_pos + 1].cpu()
+            rows = torch.tensor([s.row_start for s in decode], dtype=torch.long)
+            meta = {
+                "rows": rows.to(self.device),
+                "slots": slots.to(self.device),
+                "mask": (slots != null_slot).to(self.device)[:, None, None, :],
+                "others": tuple(s for s in seqs if s.num_queries != 1),
+            }
+        return AttentionPlan(seqs=tuple(seqs), groups=(), num_rows=num_rows, meta=meta)
+
+    def attention(
+        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
+    ) -> torch.Tensor:
+        if plan.meta is None:
+            return shape_dependent_attention(q, kv[0], kv[1], plan, scale)
+        meta = plan.meta
+        others = AttentionPlan(seqs=meta["others"], groups=(), num_rows=plan.num_rows)
+        out = shape_dependent_attention(q, kv[0], kv[1], others, scale)  # prefill chunks, one call each
+        rep = q.shape[1] // kv[0].shape[1]
+        k = kv[0][meta["slots"]].repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, Hq, L, D]
+        v = kv[1][meta["slots"]].repeat_interleave(rep, dim=2).transpose(1, 2)
+        qd = q[meta["rows"]].unsqueeze(2)  # [B, Hq, 1, D]
+        o = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=meta["mask"], scale=scale)
+        out[meta["rows"]] = o[:, :, 0, :]
+        return out
+
+
+class TritonOps(CudaOps):
+    """Canonical numerics on CUDA: the Triton kernels of :mod:`kvwarden.layers.kernels`."""
+
+    name = "canonical"
+    scan_mode = "recurrent"
+
+    def __init__(self, config: NumericsConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        # Imported here: the kernels need Triton, which a CPU-only install may lack.
+        from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent, rotary, rows
+
+        self.k_attention, self.k_gemm, self.k_pointwise = attention, gemm, pointwise
+        self.k_recurrent, self.k_rotary, self.k_rows = recurrent, rotary, rows
+        self._named: dict[Callable[..., Any], str] = {
+            torch.sigmoid: "sigmoid",
+            torch.nn.functional.silu: "silu",
+            torch.nn.functional.softplus: "softplus",
+            torch.exp: "exp",
+        }
+
+    # ------------------------------------------------------------- element-wise and rows
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.k_gemm.linear(x, weight, bias)
+
+    def rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("TritonOps has no generic row op: call a named one (softmax_rows, sum_rows, ...)")
+
+    def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        name = self._named.get(fn)
+        if name is None:
+            raise NotImplementedError(f"TritonOps has no kernel for {fn!r}")
+        return self.k_pointwise.unary(name, x)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        return self.k_rows.rms_norm(x.reshape(-1, shape[-1]), weight, eps)[0].view(shape)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.k_pointwise.silu_mul(gate, up)
+
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k_pointwise.unary("exp", x)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k_rows.log_softmax(x)
+
+    def softmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k_rows.softmax(x)
+
+    def sum_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k_rows.row_sum(x)
+
+    def l2_norm_rows(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.k_rows.l2_norm(x, eps)
+
+    def topk_rows(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE(invariance): a stable sort is a function of the row's values alone (ties keep index
+        # order), whatever algorithm the library runs; torch.topk leaves tie order unspecified.
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[:, :k], indices[:, :k]
+
+    def rope(self, rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.k_rotary.apply_rotary(x, positions, rope.cos, rope.sin)
+
+    # ------------------------------------------------------------------- attention
+    def attention_plan(
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+    ) -> AttentionPlan:
+        meta = self.k_attention.AttentionMeta.build(
+            [(s.row_start, s.start_pos, s.num_queries, b) for s, b in zip(seqs, block_ids, strict=True)], self.device
+        )
+        return AttentionPlan(seqs=tuple(seqs), groups=(), num_rows=num_rows, meta=meta)
+
+    def attention(
+        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
+    ) -> torch.Tensor:
+        return self.k_attention.paged_attention(q, kv[0], kv[1], plan.meta, block_size, scale)
+
+    # ---------------------------------------------------------------- recurrent scans
+    def gated_delta_scan(self, *args: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_recurrent.gated_delta(*args)  # type: ignore[arg-type]
+
+    def mamba2_scan(self, *args: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_recurrent.mamba2(*args)  # type: ignore[arg-type]

@@ -1,0 +1,206 @@
+"""Causal attention over the paged KV cache: prefill chunks and decode steps in one kernel.
+
+NOTE(invariance), by construction - a query row at absolute position ``p``
+computes the same bits whatever else is in the launch and however its prompt
+was chunked:
+
+* Query tiles are aligned to absolute positions: tile ``p // BLOCK_Q``, slot
+  ``p % BLOCK_Q``. The ``REP`` query heads sharing a KV head are rows of the
+  same tile (GQA without copying K/V). A decode step of position ``p`` lands in
+  the same slot of the same-shaped tile as the prefill of ``p`` would.
+* Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0, and
+  grouped into splits of ``SPLIT`` keys at fixed absolute boundaries
+  (0, SPLIT, 2*SPLIT, ...). Each split keeps its own online-softmax state
+  (running max, sum, accumulator); the splits are then combined in split order
+  with one fixed formula. So a row's arithmetic is a function of its position
+  only: the same tiles, in the same order, with the same split boundaries.
+* Tiles beyond a row's position (there when other rows of its tile reach
+  further) are exact no-ops: their scores are ``-inf``, the running max is
+  unchanged, the rescale factor is ``exp(0) = 1`` and the added terms are
+  exact zeros (a split with no visible key keeps ``max = -inf, sum = 0,
+  acc = 0``, and a safe max keeps ``exp`` away from ``-inf - -inf``).
+* Prefill and decode are the same compiled kernel: block sizes are constants
+  of the model (head size, GQA ratio) and the batch-dependent integers are not
+  specialised.
+
+The split structure is what a parallel flash-decoding kernel (one program per
+split, then a combine) must reproduce to stay bitwise equal to this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_Q = 16  # query positions per tile (aligned to absolute position)
+BLOCK_N = 32  # keys per tile (aligned to key position 0)
+SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """Device tensors describing one step's requests and query tiles (built once per step).
+
+    Attributes:
+        seq_row0, seq_start, seq_nq: per request, its first row in the batch, the
+            absolute position of its first query and its number of queries.
+        block_tables: ``[requests, max_blocks]`` int32 KV block ids.
+        tile_seq, tile_pos0: per query tile, its request and the absolute position
+            of its first slot (a multiple of ``BLOCK_Q``).
+    """
+
+    seq_row0: torch.Tensor
+    seq_start: torch.Tensor
+    seq_nq: torch.Tensor
+    block_tables: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_pos0: torch.Tensor
+
+    @classmethod
+    def build(cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str) -> AttentionMeta:
+        """From ``(row_start, start_pos, num_queries, block_ids)`` per request."""
+        max_blocks = max((len(b) for *_, b in seqs), default=1) or 1
+        tables = [b + [0] * (max_blocks - len(b)) for *_, b in seqs]
+        tile_seq, tile_pos0 = [], []
+        for i, (_, start, nq, _) in enumerate(seqs):
+            for t in range(start // BLOCK_Q, (start + nq - 1) // BLOCK_Q + 1):
+                tile_seq.append(i)
+                tile_pos0.append(t * BLOCK_Q)
+
+        def t(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+        return cls(
+            seq_row0=t([s[0] for s in seqs]),
+            seq_start=t([s[1] for s in seqs]),
+            seq_nq=t([s[2] for s in seqs]),
+            block_tables=t(tables),
+            tile_seq=t(tile_seq),
+            tile_pos0=t(tile_pos0),
+        )
+
+
+@triton.jit(do_not_specialize=["MAXB", "BS"])
+def _attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    seq_row0,
+    seq_start,
+    seq_nq,
+    tables,
+    tile_seq,
+    tile_pos0,
+    MAXB,
+    BS,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    REP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr,
+    BN: tl.constexpr,
+    SPLIT_: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_seq + tile)
+    pos0 = tl.load(tile_pos0 + tile)
+    row0 = tl.load(seq_row0 + seq)
+    start = tl.load(seq_start + seq)
+    nq = tl.load(seq_nq + seq)
+
+    M: tl.constexpr = BQ * REP
+    m_idx = tl.arange(0, M)
+    qi = m_idx // REP
+    head = kvh * REP + m_idx % REP
+    qpos = pos0 + qi
+    qvalid = (qpos >= start) & (qpos < start + nq)
+    rows = row0 + qpos - start
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(
+        q_ptr + (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :],
+        mask=qvalid[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    kmax = tl.minimum(pos0 + BQ, start + nq)  # keys any row of this tile can see: [0, kmax)
+    n_idx = tl.arange(0, BN)
+
+    m_t = tl.full((M,), float("-inf"), tl.float32)
+    l_t = tl.zeros((M,), tl.float32)
+    acc_t = tl.zeros((M, BLOCK_D), tl.float32)
+    for split0 in range(0, kmax, SPLIT_):
+        m_s = tl.full((M,), float("-inf"), tl.float32)
+        l_s = tl.zeros((M,), tl.float32)
+        acc_s = tl.zeros((M, BLOCK_D), tl.float32)
+        for k0 in range(split0, tl.minimum(split0 + SPLIT_, kmax), BN):
+            kpos = k0 + n_idx
+            kvalid = kpos < kmax
+            blk = tl.load(tables + seq * MAXB + kpos // BS, mask=kvalid, other=0)
+            slot = (blk * BS + kpos % BS).to(tl.int64)
+            kv_off = (slot * HKV + kvh)[:, None] * D + d[None, :]
+            kv_mask = kvalid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            visible = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :] & qvalid[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_s, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_use[:, None])
+            alpha = tl.exp(m_s - m_use)
+            l_s = l_s * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc_s = acc_s * alpha[:, None] + pv
+            m_s = m_new
+        # combine this split into the total, in split order
+        m_new = tl.maximum(m_t, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m_t - m_use)
+        b = tl.exp(m_s - m_use)
+        l_t = l_t * a + l_s * b
+        acc_t = acc_t * a[:, None] + acc_s * b[:, None]
+        m_t = m_new
+    out = acc_t / l_t[:, None]
+    tl.store(
+        o_ptr + (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=qvalid[:, None] & dmask[None, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, block_size: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``."""
+    q = q.contiguous()
+    rows, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    tiles = meta.tile_seq.numel()
+    if rows == 0 or tiles == 0:
+        return out
+    rep = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))
+    _attention_kernel[(tiles, hkv)](
+        q, k_cache, v_cache, out,
+        meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
+        meta.block_tables.shape[1], block_size, scale,
+        HQ=hq, HKV=hkv, D=d, REP=rep, BLOCK_D=block_d, BQ=BLOCK_Q, BN=BLOCK_N, SPLIT_=SPLIT,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,252 @@
+"""The canonical Triton kernels against their PyTorch references, and their invariance properties.
+
+On a machine without a GPU these run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set in ``conftest.py``) on tiny float32 shapes; on a
+GPU (``scripts/gpu_check.sh``) the same tests run compiled, in float32 and
+bfloat16. Invariance is asserted bitwise; agreement with the reference with a
+tolerance fitting the dtype.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent, rotary, rows
+from kvwarden.layers.rotary import RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe), via the raw bytes."""
+    return a.shape == b.shape and a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+
+
+def close(a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    a, ref = a.double().cpu(), ref.double().cpu()
+    err = (a - ref).norm() / max(ref.norm().item(), 1e-12)
+    return bool(err < tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_rows_never_depend_on_the_batch(dtype: torch.dtype) -> None:
+    g = gen(0)
+    x, w, b = rand(g, 37, 40, dtype=dtype), rand(g, 24, 40, dtype=dtype), rand(g, 24, dtype=dtype)
+    full = gemm.linear(x, w, b)
+    assert close(full, x.double() @ w.double().T + b.double(), dtype)
+    for m in (1, 3, 16, 17):  # prefixes of the batch: a row alone, a few, exactly one tile, one more
+        assert same(gemm.linear(x[:m], w, b), full[:m])
+    if DEVICE == "cuda":  # a row's position inside its tile does not matter to the matrix instruction;
+        # the interpreter's tl.dot is numpy's BLAS, which vectorises along rows, so only the GPU can check this
+        perm = torch.randperm(37, generator=g).to(DEVICE)
+        assert same(gemm.linear(x[perm], w, b), full[perm])
+    assert gemm.gemm_config(24, 40, dtype) == gemm.gemm_config(24, 40, dtype)  # a function of (N, K) only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_kernels_match_torch_and_are_row_invariant(dtype: torch.dtype) -> None:
+    g = gen(1)
+    x, res, w = rand(g, 9, 48, dtype=dtype), rand(g, 9, 48, dtype=dtype), rand(g, 48, dtype=dtype)
+    y, h = rows.rms_norm(x, w, 1e-6, residual=res)
+    hf = (x.float() + res.float()).to(dtype)
+    assert same(h, hf)
+    ref = w.float() * (hf.float() * torch.rsqrt(hf.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+    assert close(y, ref, dtype)
+    assert same(rows.rms_norm(x[4:5], w, 1e-6, residual=res[4:5])[0], y[4:5])
+    logits = rand(g, 5, 300, scale=3.0)
+    assert close(rows.log_softmax(logits), torch.log_softmax(logits.double(), -1), torch.float32)
+    assert close(rows.softmax(logits), torch.softmax(logits.double(), -1), torch.float32)
+    assert same(rows.log_softmax(logits[2:3]), rows.log_softmax(logits)[2:3])
+    assert close(rows.row_sum(logits), logits.double().sum(-1, keepdim=True), torch.float32)
+    assert close(
+        rows.l2_norm(logits, 1e-6), (logits.double().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt(), torch.float32
+    )
+    probs = torch.softmax(rand(g, 3, 2500), -1)
+    assert close(rows.cumsum(probs), probs.double().cumsum(-1), torch.float32)
+    assert same(rows.cumsum(probs[1:2]), rows.cumsum(probs)[1:2])
+
+
+def test_long_rows_use_fixed_tiles() -> None:
+    g = gen(2)
+    vocab = rows.ONE_BLOCK_MAX + 1000  # past one block: the tiled three-pass path
+    logits = rand(g, 3, vocab, scale=4.0)
+    out = rows.log_softmax(logits)
+    assert close(out, torch.log_softmax(logits.double(), -1), torch.float32)
+    assert same(rows.log_softmax(logits[1:2]), out[1:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_kernels(dtype: torch.dtype) -> None:
+    g = gen(3)
+    x = rand(g, 1500, dtype=dtype, scale=4.0)
+    refs = {
+        "silu": torch.nn.functional.silu,
+        "sigmoid": torch.sigmoid,
+        "softplus": torch.nn.functional.softplus,
+        "exp": torch.exp,
+    }
+    for op, fn in refs.items():
+        y = pointwise.unary(op, x)
+        assert close(y, fn(x.double()), dtype), op
+        assert same(pointwise.unary(op, x[1001:1003]), y[1001:1003]), op  # an element's offset does not matter
+    gate, up = rand(g, 7, 33, dtype=dtype), rand(g, 7, 33, dtype=dtype)
+    y = pointwise.silu_mul(gate, up)
+    assert close(y, torch.nn.functional.silu(gate.double()) * up.double(), dtype)
+    assert same(pointwise.silu_mul(gate[3:4], up[3:4]), y[3:4])
+
+
+@pytest.mark.parametrize("rot", [16, 8])
+def test_rotary_matches_the_table_formula(rot: int) -> None:
+    g = gen(4)
+    rope = RotaryEmbedding(16, rot, {"rope_type": "default", "rope_theta": 10000.0}, 64)
+    x = rand(g, 6, 3, 16)
+    pos = torch.tensor([0, 5, 9, 33, 34, 63])
+    y = rotary.apply_rotary(
+        x, pos.to(DEVICE), rope.cos[:, :rot].contiguous().to(DEVICE), rope.sin[:, :rot].contiguous().to(DEVICE)
+    )
+    ref = rope.apply(x.cpu(), pos)
+    assert close(y.cpu(), ref, torch.float32)
+    assert same(
+        rotary.apply_rotary(
+            x[2:3],
+            pos[2:3].to(DEVICE),
+            rope.cos[:, :rot].contiguous().to(DEVICE),
+            rope.sin[:, :rot].contiguous().to(DEVICE),
+        ),
+        y[2:3],
+    )
+
+
+def _paged(g: torch.Generator, lengths: list[int], hkv: int, d: int, block: int, dtype: torch.dtype):
+    """K/V for several requests in a shuffled pool of blocks."""
+    total_blocks = sum(-(-n // block) for n in lengths) + 3
+    order = torch.randperm(total_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        nb = -(-n // block)
+        tables.append(order[used : used + nb])
+        used += nb
+    k = rand(g, total_blocks * block, hkv, d, dtype=dtype)
+    v = rand(g, total_blocks * block, hkv, d, dtype=dtype)
+    return k, v, tables
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: list[int], block: int, start: int, scale: float
+):
+    n = start + q.shape[0]
+    slots = torch.tensor([table[p // block] * block + p % block for p in range(n)])
+    kk, vv = k.cpu().double()[slots], v.cpu().double()[slots]
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q.cpu().double(), kk) * scale
+    mask = torch.arange(n)[None, :] <= torch.arange(start, n)[:, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [attention.SPLIT, 32])  # 32: several fixed splits per row, combined in order
+def test_attention_is_the_same_for_prefill_chunks_decode_and_batch(
+    dtype: torch.dtype, split: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "SPLIT", split)
+    g = gen(5)
+    hq, hkv, d, block, scale = 4, 2, 16, 4, 0.25
+    lengths = [70, 23]
+    k, v, tables = _paged(g, lengths, hkv, d, block, dtype)
+    qs = [rand(g, n, hq, d, dtype=dtype) for n in lengths]
+
+    def run(pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pieces: (request, start, length) in one launch -> outputs concatenated."""
+        meta = attention.AttentionMeta.build(
+            [(sum(p[2] for p in pieces[:i]), s, n, tables[r]) for i, (r, s, n) in enumerate(pieces)], DEVICE
+        )
+        q = torch.cat([qs[r][s : s + n] for r, s, n in pieces])
+        return attention.paged_attention(q, k, v, meta, block, scale)
+
+    whole = run([(0, 0, 70)])
+    assert close(whole, _reference(qs[0], k, v, tables[0], block, 0, scale), dtype)
+    chunked = torch.cat([run([(0, s, n)]) for s, n in ((0, 13), (13, 1), (14, 40), (54, 16))])
+    assert same(chunked, whole)  # however the prompt was chunked
+    for p in (0, 15, 16, 31, 32, 33, 69):  # decode of one position
+        assert same(run([(0, p, 1)]), whole[p : p + 1]), p
+    mixed = run([(1, 0, 23), (0, 30, 9), (0, 69, 1)][::-1])  # batch partners, any order
+    assert same(mixed[:1], whole[69:70]) and same(mixed[1:10], whole[30:39])
+    assert same(mixed[10:], run([(1, 0, 23)]))
+
+
+def _gated_delta_inputs(g: torch.Generator, n: int, hv: int, dk: int, dv: int):
+    q = torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=g), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=g), dim=-1)
+    v = torch.randn(n, hv, dv, generator=g)
+    decay = -torch.rand(n, hv, generator=g)
+    beta = torch.rand(n, hv, generator=g)
+    return [t.to(DEVICE) for t in (q, k, v, decay, beta)]
+
+
+def test_gated_delta_decode_equals_prefill_and_captures_boundaries() -> None:
+    from kvwarden.layers.gated_delta import recurrent_step
+
+    g = gen(6)
+    n, hv, dk, dv = 21, 2, 16, 20
+    q, k, v, decay, beta = _gated_delta_inputs(g, n, hv, dk, dv)
+    s0 = torch.randn(hv, dk, dv, generator=g).to(DEVICE)
+    state = s0.clone()
+    out, caps = recurrent.gated_delta(q, k, v, decay, beta, state, [7, 15])
+    ref_out, ref_state = recurrent_step(
+        *(t.cpu().transpose(0, 1) for t in (q, k, v)), decay.cpu().t(), beta.cpu().t(), s0.cpu()
+    )
+    assert close(out.cpu(), ref_out.transpose(0, 1), torch.float32) and close(state.cpu(), ref_state, torch.float32)
+    pieces, st = [], s0.clone()
+    for lo, hi in ((0, 8), (8, 9), (9, 16), (16, 21)):  # chunks, then one token at a time in the middle
+        o, c = recurrent.gated_delta(q[lo:hi], k[lo:hi], v[lo:hi], decay[lo:hi], beta[lo:hi], st, [hi - lo - 1])
+        pieces.append(o)
+        if hi in (8, 16):
+            assert same(c[0], caps[0 if hi == 8 else 1])  # the state after token 7 / 15, however reached
+    assert same(torch.cat(pieces), out) and same(st, state)
+
+
+def test_mamba2_decode_equals_prefill_and_captures_boundaries() -> None:
+    from kvwarden.layers.mamba2 import recurrent_step
+
+    g = gen(7)
+    n, h, p, ns = 19, 3, 20, 16
+    x = torch.randn(n, h, p, generator=g)
+    dt = torch.rand(n, h, generator=g) * 0.5
+    a = -torch.rand(h, generator=g)
+    b, c = torch.randn(n, h, ns, generator=g), torch.randn(n, h, ns, generator=g)
+    dskip = torch.randn(h, generator=g)
+    s0 = torch.randn(h, p, ns, generator=g)
+    dev = [t.to(DEVICE) for t in (x, dt, a, b, c, dskip)]
+    state = s0.clone().to(DEVICE)
+    y, caps = recurrent.mamba2(*dev, state, [3, 11])
+    ref_y, ref_state = recurrent_step(x.transpose(0, 1), dt.t(), a, b.transpose(0, 1), c.transpose(0, 1), dskip, s0)
+    assert close(y.cpu(), ref_y.transpose(0, 1), torch.float32) and close(state.cpu(), ref_state, torch.float32)
+    st, outs = s0.clone().to(DEVICE), []
+    for lo, hi in ((0, 4), (4, 5), (5, 12), (12, 19)):
+        xs, dts, _, bs, cs, _ = (t[lo:hi] if t.dim() > 1 else t for t in dev)
+        o, cap = recurrent.mamba2(xs, dts, dev[2], bs, cs, dev[5], st, [hi - lo - 1])
+        outs.append(o)
+        if hi in (4, 12):
+            assert same(cap[0], caps[0 if hi == 4 else 1])
+    assert same(torch.cat(outs), y) and same(st, state)
+
+
+def test_bitwise_helper_sees_the_last_bit() -> None:
+    a = torch.tensor([1.0])
+    b = torch.tensor([struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", 1.0))[0] + 1))[0]])
+    assert not same(a, b) and same(a, a.clone())

@@ -1,0 +1,76 @@
+"""The whole engine on the Triton backend: the invariance properties (a)-(i), bitwise.
+
+With a GPU this is the real thing (``device="cuda"``, float32 and bfloat16).
+Without one, CI runs the very same kernels through the engine under Triton's
+interpreter (``kernels="triton"``, ``TRITON_INTERPRET=1`` from ``conftest.py``):
+slow, so tiny models, short prompts and a few tokens - enough to exercise every
+kernel, the attention plan, the recurrent scans' boundary captures and the
+sampler's counter-based draws inside the real scheduler and caches.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvwarden import LLM, SamplingParams
+from kvwarden.bench.properties import PROPERTIES, check_properties
+from util import random_tokens
+
+GPU = torch.cuda.is_available()
+BLOCK = 8
+DTYPES = ["float32", "bfloat16"] if GPU else ["float32"]
+
+
+def _make(model: Path, dtype: str):
+    backend = {"device": "cuda"} if GPU else {"device": "cpu", "kernels": "triton"}
+    # an explicit pool: engines of one check live side by side, and GPU sizing would give each the whole card
+    return partial(LLM, str(model), dtype=dtype, block_size=BLOCK, max_num_batched_tokens=64, num_blocks=256, **backend)
+
+
+def _case(seed: int) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    prompt = random_tokens(rng, 2 * BLOCK + 5, 1000)  # three blocks, the last one partial
+    partners = [random_tokens(rng, n, 1000) for n in (9, 13, 6)]
+    return prompt, partners
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_model_every_property(llama_tiny: Path, dtype: str) -> None:
+    prompt, partners = _case(1)
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=7, max_tokens=3, logprobs=5, ignore_eos=True),
+    ):
+        report = check_properties(_make(llama_tiny, dtype), prompt, params, BLOCK, partners)
+        assert set(report.outcomes) == set(PROPERTIES)
+        assert report.all_identical, report.failures()
+        assert "cached 16 tokens" in report.outcomes["b"].note  # the repeat really was a prefix hit
+        assert "0 preemptions" not in report.outcomes["g"].note  # and (g) really preempted
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hybrid_models_every_property(hybrid_tiny: Path, dtype: str) -> None:
+    """Gated DeltaNet (Qwen3-Next) and Mamba2 (Granite): recurrent states restored from boundary snapshots
+    the token-by-token kernel captured, against the cold run."""
+    prompt, partners = _case(2)
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=3, logprobs=5, ignore_eos=True)
+    only = PROPERTIES if GPU else ("b", "c", "e", "f", "h", "i")  # the interpreter is slow: the cache properties
+    report = check_properties(_make(hybrid_tiny, dtype), prompt, params, BLOCK, partners, only)
+    assert report.all_identical, report.failures()
+    assert "cached 16 tokens" in report.outcomes["b"].note  # a hybrid hit: KV blocks and the state at 16
+
+
+def test_triton_kernels_on_a_cpu_need_the_interpreter(llama_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(str(llama_tiny), device="cpu", kernels="triton")
+    with pytest.raises(ValueError, match=r"numerics\.kernels"):
+        LLM(str(llama_tiny), kernels="cuda-graphs")
+    if not GPU:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            LLM(str(llama_tiny), device="cuda")
