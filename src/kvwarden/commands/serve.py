@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 
@@ -29,6 +30,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     p.add_argument(
         "--disable-log-requests", action="store_true", help="no access-log line per request (logged by default)"
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds before a request is aborted and answered 408"
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight requests finish"
+    )
+    p.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="TESTING ONLY: inject a fault (engine-crash-after-steps=N); shown in /health",
     )
     p.add_argument(
         "--log-level",
@@ -55,8 +69,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvwarden.server.faults import Faults
+
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    args.faults = Faults.parse(args.inject_fault)
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -81,7 +102,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     logging.getLogger("kvwarden").setLevel(args.log_level.upper())
     llm = load_llm(args, Console(stderr=True, highlight=False, soft_wrap=True), "kvwarden serve")
     name = args.served_model_name or args.model
-    engine = AsyncEngine(llm.engine, Metrics(), max_waiting=args.max_waiting)
+    engine = AsyncEngine(
+        llm.engine, Metrics(), max_waiting=args.max_waiting, request_timeout=args.request_timeout, faults=args.faults
+    )
+    if args.faults.any:
+        print(f"kvwarden serve: WARNING: injected faults (testing only): {args.faults.describe()}", flush=True)
     config = ServerConfig(
         model_name=name,
         api_key=args.api_key,
@@ -89,7 +114,15 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         log_requests=not args.disable_log_requests,
     )
     uv_level = "warning" if args.log_level in ("info", "debug") else args.log_level
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, config), log_level=uv_level, access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, config),
+            log_level=uv_level,
+            access_log=False,
+            # SIGTERM: stop accepting, let in-flight requests (streams included) finish for this long
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
     host, port = sock.getsockname()[:2]
     print(f"kvwarden serve: {name} listening on http://{host}:{port}", flush=True)
 
@@ -101,5 +134,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             print("kvwarden serve: ready", flush=True)
         await task
 
+    # uvicorn handles SIGTERM while serving (stop accepting, drain, lifespan shutdown) and then re-raises
+    # it to the handler that was installed before: make that one a no-op, so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     asyncio.run(serve())
     return 0 if server.started else 1

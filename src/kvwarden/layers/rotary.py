@@ -102,8 +102,17 @@ class RotaryEmbedding:
         device: torch.device | str = "cpu",
     ) -> None:
         self.head_dim = head_dim
-        self.rotary_dim = rotary_dim
+        if rotary_dim % 2 and params.get("rope_type", params.get("type", "default")) == "yarn":
+            raise ValueError(f"partial_rotary_factor: an odd rotary dimension ({rotary_dim}) cannot use yarn scaling")
         inv_freq, scale = inverse_frequencies(rotary_dim, params, max_positions)
+        # As transformers: the table has 2 * ceil(rotary_dim / 2) columns and that many leading dimensions
+        # rotate (an odd rotary dimension rounds up: head_dim 20 x 0.25 rotates 6, not 5).
+        self.rotary_dim = 2 * inv_freq.numel()
+        if self.rotary_dim > head_dim:
+            raise ValueError(
+                f"partial_rotary_factor: {rotary_dim} rotary dimensions round up to {self.rotary_dim}, "
+                f"more than head_dim ({head_dim})"
+            )
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)

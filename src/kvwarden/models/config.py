@@ -210,8 +210,12 @@ def _qwen3_next(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite_hybrid(cfg: dict[str, Any]) -> dict[str, Any]:
-    if int(cfg.get("num_local_experts", 0) or 0) > 0:
-        raise ValueError("config.json: GraniteMoeHybrid with routed experts is not supported (dense form only)")
+    experts = int(cfg.get("num_local_experts", 0) or 0)
+    if experts > 0:
+        raise ValueError(
+            f"config.json: num_local_experts = {experts}: GraniteMoeHybrid with routed experts is not supported "
+            "(the dense form only: num_local_experts 0)"
+        )
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
     layer_types = tuple(MAMBA2 if t in ("mamba", "linear_attention") else ATTENTION for t in types)

@@ -43,7 +43,13 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
     else:
         cfg = ModelConfig.from_dir(path)
         tensors = _read_safetensors(path)
+        _check_shapes(cfg, tensors)
         tokenizer = Tokenizer.from_dir(path, _generation_eos(path) or cfg.eos_token_ids)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer: {tokenizer.vocab_size} tokens, but the model's embedding has {cfg.vocab_size} rows "
+            "(vocab_size): ids past the embedding would crash a request; the tokenizer does not belong to this model"
+        )
     torch_dtype = TORCH_DTYPES[dtype]
 
     def get(name: str) -> torch.Tensor | None:
@@ -64,21 +70,72 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
     )
 
 
+PICKLE_CHECKPOINTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint.
+
+    Raises:
+        ValueError: a pickle checkpoint only (refused: unpickling runs arbitrary code), or a
+            safetensors file that cannot be read, naming the file and, where known, the tensor.
+    """
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         files = ["model.safetensors"]
+    if not (model_dir / files[0]).is_file():
+        pickled = [p for p in PICKLE_CHECKPOINTS if (model_dir / p).is_file()]
+        if pickled:
+            raise ValueError(
+                f"{model_dir / pickled[0]}: pickle checkpoints are refused (loading one runs arbitrary code); "
+                "convert it to safetensors first (transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         file = model_dir / name
         if not file.is_file():
             raise FileNotFoundError(f"{file}: missing weights file")
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from exc
+        with handle as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[key] = f.get_tensor(key)
+                try:
+                    tensors[key] = f.get_tensor(key)
+                except Exception as exc:  # a truncated file fails on the tensors past its end
+                    raise ValueError(f"{file}: tensor {key!r} cannot be read ({exc}); is the file truncated?") from exc
     return tensors
+
+
+def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose tensors do not have the shapes ``config.json`` implies, naming the tensor."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_rows = cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1)
+    expected = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "lm_head.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    for i in cfg.attention_layers:
+        p = f"model.layers.{i}.self_attn"
+        expected |= {
+            f"{p}.q_proj.weight": (q_rows, h),
+            f"{p}.k_proj.weight": (cfg.num_key_value_heads * d, h),
+            f"{p}.v_proj.weight": (cfg.num_key_value_heads * d, h),
+            f"{p}.o_proj.weight": (h, cfg.num_attention_heads * d),
+        }
+    for i in range(cfg.num_hidden_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            expected[f"model.layers.{i}.{norm}.weight"] = (h,)
+    for name, shape in expected.items():
+        tensor = tensors.get(name)
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies {shape}"
+            )
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

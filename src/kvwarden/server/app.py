@@ -177,8 +177,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
-            return error_response(ApiError(503, f"engine is down: {engine.error}", None, "engine_dead"))
-        return JSONResponse({"status": "ok"})
+            cause = f"{type(engine.error).__name__}: {engine.error}" if engine.error else "not running"
+            return error_response(ApiError(503, f"the engine is down: {cause}", None, "engine_dead"))
+        body: dict[str, Any] = {"status": "ok"}
+        if engine.faults.any:
+            body["injected_faults"] = engine.faults.describe()  # testing only: never a healthy production server
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -20,11 +20,20 @@ from dataclasses import dataclass, field
 from kvwarden.engine.llm_engine import LLMEngine
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.server.faults import Faults
 from kvwarden.server.metrics import Metrics
 
 
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served (the cause is in the message)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past the server's ``--request-timeout``; it was aborted and its blocks freed."""
 
 
 @dataclass
@@ -47,10 +56,19 @@ class _Add:
 class AsyncEngine:
     """Runs :class:`LLMEngine` in a thread; ``generate`` yields cumulative outputs."""
 
-    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int = 256) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: Metrics,
+        max_waiting: int = 256,
+        request_timeout: float | None = None,
+        faults: Faults | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.request_timeout = request_timeout
+        self.faults = faults or Faults()
         self._inbox: queue.SimpleQueue[_Add | tuple[str, str]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -67,6 +85,11 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the whole KV pool holds: no single request can be longer."""
+        return self.engine.num_blocks * self.engine.config.cache.block_size
 
     @property
     def alive(self) -> bool:
@@ -87,6 +110,8 @@ class AsyncEngine:
             QueueFullError: ``max_waiting`` requests are already pending.
             ValueError: the engine rejected the request.
         """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine is down: {type(self.error).__name__}: {self.error}")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop=loop, queue=asyncio.Queue())
         with self._streams_lock:
@@ -119,10 +144,14 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
+                self._expire()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                crash_after = self.faults.engine_crash_after_steps
+                if crash_after is not None and self.engine.num_steps >= crash_after:
+                    raise RuntimeError(f"injected fault: engine crash after {crash_after} steps")
                 outputs = self.engine.step()
                 self.metrics.observe_engine(self.engine)
                 for out in outputs:
@@ -132,8 +161,10 @@ class AsyncEngine:
             with self._streams_lock:
                 streams = list(self._streams.values())
                 self._streams.clear()
+            dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
             for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {exc}"))
+                with contextlib.suppress(RuntimeError):  # the client's loop is gone
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
             raise
 
     def _drain_inbox(self) -> None:
@@ -157,6 +188,22 @@ class AsyncEngine:
                 self.engine.add_request(item.token_ids, item.params, item.request_id, item.cache_salt)
             except ValueError as exc:
                 self._fail(item.request_id, exc)
+
+    def _expire(self) -> None:
+        """Abort requests past the request timeout (their blocks return to the pool now)."""
+        if self.request_timeout is None:
+            return
+        now = time.monotonic()
+        with self._streams_lock:
+            late = [rid for rid, s in self._streams.items() if now - s.arrival > self.request_timeout]
+        for rid in late:
+            out = self.engine.abort(rid)
+            if out is not None:
+                self.metrics.observe_finished(out)
+            message = f"the request ran past the server's request timeout of {self.request_timeout} s"
+            self._fail(rid, RequestTimeoutError(message))
+        if late:
+            self.metrics.observe_engine(self.engine)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._streams_lock:

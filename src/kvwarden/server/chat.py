@@ -42,6 +42,7 @@ class ChatCompletions:
             max_tokens=max_tokens,
             prompt_len=len(ids),
             max_model_len=self.engine.engine.max_model_len,
+            kv_capacity=self.engine.kv_capacity,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             prompt_param="messages",
         )

@@ -57,6 +57,7 @@ class Completions:
                 max_tokens=max_tokens,
                 prompt_len=len(ids),
                 max_model_len=self.engine.engine.max_model_len,
+                kv_capacity=self.engine.kv_capacity,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             )

@@ -10,7 +10,7 @@ from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import TopLogprobs
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.models.tokenizer import Tokenizer
-from kvwarden.server.protocol import ApiError
+from kvwarden.server.protocol import ApiError, refuse_unsupported
 
 # Largest `n` per request; larger fan-outs are better sent as separate requests.
 MAX_N = 16
@@ -41,17 +41,14 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     prompt_param: str = "prompt",
+    kv_capacity: int | None = None,
 ) -> SamplingParams:
     """Validate an API request's sampling fields into :class:`SamplingParams`.
 
     Raises:
         ApiError: 400 naming the API field.
     """
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise ApiError(400, f"{param} is not supported by kvwarden (only 0)", param, "unsupported_parameter")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by kvwarden", "logit_bias", "unsupported_parameter")
+    refuse_unsupported(req)
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n", "invalid_value")
     if prompt_len >= max_model_len:
@@ -63,6 +60,8 @@ def sampling_params(
         )
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
+        if kv_capacity is not None:  # unasked: generate while the pool can hold it
+            max_tokens = max(1, min(max_tokens, kv_capacity - prompt_len))
     elif max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
         raise ApiError(
             400,
@@ -70,6 +69,15 @@ def sampling_params(
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).",
             "max_tokens",
             "context_length_exceeded",
+        )
+    elif kv_capacity is not None and max_tokens >= 1 and prompt_len + max_tokens > kv_capacity:
+        # refused up front: such a request could never finish (it would be preempted and retried)
+        raise ApiError(
+            400,
+            f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) need {prompt_len + max_tokens} "
+            f"tokens of KV cache, but this server's whole pool holds {kv_capacity}; lower max_tokens",
+            "max_tokens",
+            "exceeds_kv_cache",
         )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     values: dict[str, Any] = {

@@ -36,6 +36,7 @@ _GAUGES = {
     "used_blocks": ("kv_blocks_used", "KV blocks held by requests"),
     "free_blocks": ("kv_blocks_free", "KV blocks free (including cached, evictable ones)"),
     "cached_blocks": ("kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
+    "state_slots_used": ("state_slots_used", "Recurrent working-state slots held by requests (hybrid models)"),
 }
 
 
@@ -96,6 +97,8 @@ class Metrics:
                 self._config_info = info
         stats = engine.stats()
         stats["used_blocks"] = stats["num_blocks"] - stats["free_blocks"]
+        states = engine.states
+        stats["state_slots_used"] = states.num_working - states.num_free_working if states else 0
         with self._lock:
             self._snapshot = stats
 

@@ -31,6 +31,50 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
+# Fields that would change what the answer means: refused with a 400 naming the field rather than
+# ignored, unless they carry the value that means "off". Harmless bookkeeping fields (user, metadata,
+# store, ...) stay accepted and are ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "response_format": ("structured output is not supported", ({"type": "text"},)),
+    "tools": ("tool calling is not supported", ([],)),
+    "tool_choice": ("tool calling is not supported", ("none",)),
+    "parallel_tool_calls": ("tool calling is not supported", (False,)),
+    "functions": ("function calling is not supported", ([],)),
+    "function_call": ("function calling is not supported", ("none",)),
+    "logit_bias": ("logit_bias is not supported", ({},)),
+    "presence_penalty": ("penalties are not supported (only 0)", (0, 0.0)),
+    "frequency_penalty": ("penalties are not supported (only 0)", (0, 0.0)),
+    "repetition_penalty": ("penalties are not supported (only 1)", (1, 1.0)),
+    "best_of": ("best_of is not supported (only 1)", (1,)),
+    "suffix": ("suffix (insertion) is not supported", ("",)),
+    "structured_outputs": ("structured output is not supported", ()),
+}
+UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided decoding: guided_json, guided_regex, guided_choice, ...
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    """400 naming the first field that would change what the answer means (see ``UNSUPPORTED_FIELDS``)."""
+    values = {**{k: getattr(req, k) for k in type(req).model_fields}, **(req.model_extra or {})}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            why, harmless = UNSUPPORTED_FIELDS[name]
+            if value in harmless:
+                continue
+        elif name.startswith(UNSUPPORTED_PREFIXES):
+            why = "guided decoding is not supported"
+        else:
+            continue
+        raise ApiError(
+            400,
+            f"{name}: {why} by kvwarden; remove the field (it would change what the answer means, "
+            "so it is refused rather than ignored)",
+            name,
+            "unsupported_parameter",
+        )
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 

@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.server.async_engine import AsyncEngine, QueueFullError
+from kvwarden.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from kvwarden.server.formatting import DeltaTracker
 from kvwarden.server.protocol import ApiError
 
@@ -34,6 +34,10 @@ class Job:
 def _engine_error(exc: BaseException) -> ApiError:
     if isinstance(exc, QueueFullError):
         return ApiError(503, f"server overloaded: {exc}; retry later", None, "overloaded")
+    if isinstance(exc, RequestTimeoutError):
+        return ApiError(408, str(exc), None, "request_timeout")
+    if isinstance(exc, EngineDeadError):
+        return ApiError(500, str(exc), None, "engine_dead")
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc), None, "invalid_value")
     return ApiError(500, f"engine error: {exc}", None, "internal_error")

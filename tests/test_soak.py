@@ -1,0 +1,26 @@
+"""A short soak (the full one is ``bench/soak.py`` with 10,000 requests): a real server under concurrent load,
+client disconnects at random moments and malformed bodies; afterwards nothing is leaked and replayed
+requests give the same fingerprints as under load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+
+
+def test_short_soak_leaks_nothing_and_changes_no_answer() -> None:
+    args = ["--model", "builtin:qwen3_next-tiny", "--requests", "160", "--concurrency", "16", "--replays", "20"]
+    done = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--max-seconds", "300"], capture_output=True, text=True, timeout=900
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and result["ok"], done.stdout[-3000:] + done.stderr[-3000:]
+    assert result["5xx"] == 0 and result["replays_differing"] == 0 and result["replayed"] == 20
+    assert result["leaked_kv_blocks"] == 0 and result["leaked_state_slots"] == 0
+    outcomes = result["outcomes"]
+    assert any(k.startswith("abort: aborted") for k in outcomes) and any(k.startswith("malformed: 4") for k in outcomes)
+    assert outcomes.get("normal: completed", 0) > 80
