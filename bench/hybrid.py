@@ -121,7 +121,7 @@ def main() -> None:
             max_num_batched_tokens=args.budget,
             chunking=rule,
             numerics=numerics,
-            num_speculative_tokens=1,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 1},
         )
         eng.generate([tokens(rng, 16)], ONE)  # warm-up
         seconds, steps = prefill_seconds(eng, prompt)

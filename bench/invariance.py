@@ -38,6 +38,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny models, short prompt (smoke run)")
     p.add_argument("--all-modes", action="store_true", help="also seeded sampling on the shape-dependent path")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        metavar="METHOD:K",
+        help="property (j): also run (a)-(i) with speculation on (ngram:K, mtp:K where the model has a head) "
+        "against speculation off, canonical numerics (repeatable)",
+    )
     return p.parse_args()
 
 
@@ -89,6 +97,17 @@ def main() -> int:
                 report = check_properties(make, prompt, params, args.block_size, partners)
                 rows.append((model, numerics, mode, report, time.perf_counter() - start))
                 print(_row(rows[-1]), flush=True)
+                if numerics == "canonical":
+                    for spec in _specs(args.spec, model):
+                        start = time.perf_counter()
+                        reference = make(enable_prefix_caching=False).generate([prompt], params)[0]
+                        report = check_properties(
+                            partial(make, speculative_config=spec), prompt, params, args.block_size, partners,
+                            reference=reference,
+                        )  # fmt: skip
+                        label = f"canonical + {spec['method']} k={spec['num_speculative_tokens']} (j)"
+                        rows.append((model, label, mode, report, time.perf_counter() - start))
+                        print(_row(rows[-1]), flush=True)
             if numerics == "shape-dependent":
                 greedy = modes["greedy"]
                 fast[model] = fast_path_differing(make, prompt, greedy, partners, args.block_size, args.repeats)
@@ -106,11 +125,25 @@ def main() -> int:
         "device": device,
         "dtype": args.dtype,
         "matrix": {f"{m}|{n}|{s}": r.to_dict() for m, n, s, r, _ in rows},
-        "canonical_all_identical": all(r.all_identical for _, n, _, r, _ in rows if n == "canonical"),
+        "canonical_all_identical": all(r.all_identical for _, n, _, r, _ in rows if n.startswith("canonical")),
         "fast_path_differing": fast,
     }
     print(json.dumps(summary))
     return 0 if summary["canonical_all_identical"] else 1
+
+
+def _specs(specs: list[str], model: str) -> list[dict]:
+    """``METHOD:K`` flags as speculative configs (``mtp`` only where the checkpoint has a head)."""
+    from kvwarden.models.mtp import checkpoint_has_mtp
+    from kvwarden.models.sources import resolve_model
+
+    out = []
+    for text in specs:
+        method, _, k = text.partition(":")
+        if method == "mtp" and not checkpoint_has_mtp(resolve_model(model)):
+            continue
+        out.append({"method": method, "num_speculative_tokens": int(k or 2)})
+    return out
 
 
 def _row(row) -> str:

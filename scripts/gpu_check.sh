@@ -8,13 +8,13 @@
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
 #
-# Stages: tests, matrix, agreement, throughput (throughput in full mode only). Logs and JSON results go
+# Stages: tests, matrix, agreement, throughput, spec (throughput and spec in full mode only). Logs and JSON results go
 # to $OUT (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-quick}
 shift || true
-STAGES=" ${*:-tests matrix agreement throughput} "
+STAGES=" ${*:-tests matrix agreement throughput spec} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -54,6 +54,7 @@ fi
 if want matrix; then
   stage "invariance matrix, bfloat16 (${MODELS[*]})"
   timeout 480 python3 bench/invariance.py --device cuda --dtype bfloat16 --prompt-len "$PROMPT" "${MODELS[@]}" \
+    --spec ngram:3 --spec mtp:2 \
     2>&1 | tee "$OUT/invariance.log" | grep -v '^{' | tail -n 20
   tail -n 1 "$OUT/invariance.log" > "$OUT/invariance.json"
   record "invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
@@ -77,6 +78,14 @@ if [ "$MODE" = full ] && want throughput; then
     --max-num-seqs 64 --max-num-batched-tokens 4096 --hf-batch 64 2>&1 | tee "$OUT/offline.log" | tail -n 14
   tail -n 1 "$OUT/offline.log" > "$OUT/offline.json"
   record "throughput (output tok/s)" "$(python3 -c "import json; print({r['engine']: r['output_tok_s'] for r in json.load(open('$OUT/offline.json'))['results']})" 2>&1 | tail -n 1)"
+fi
+
+if [ "$MODE" = full ] && want spec; then
+  stage "speculative decoding: acceptance and tok/s per proposer and k, batch 1 and 16 (bfloat16)"
+  timeout 420 python3 bench/spec.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b \
+    --model builtin:qwen3_next-0.6b --ks 2,4 --batches 1,16 --max-tokens 32 --repeats 1 2>&1 | tee "$OUT/spec.log" | tail -n 30
+  tail -n 1 "$OUT/spec.log" > "$OUT/spec.json"
+  record "spec: output equal to speculation off" "$(python3 -c "import json; print(all(r['identical_to_off'] for r in json.load(open('$OUT/spec.json'))['rows']))" 2>&1 | tail -n 1)"
 fi
 
 echo

@@ -106,6 +106,10 @@ def test_hybrid_batch_partners(
     assert engine.pool.num_free_blocks == free_blocks
 
 
+def _spec_method(model: Path) -> str:
+    return "mtp" if "qwen3_next" in model.name else "ngram"
+
+
 def _contamination(model: Path, a_len: int, chunking: str, numerics: str, block: int = 16, b_len: int = 44):
     """The contamination scenario (docs/production-story.md §1) at small scale.
 
@@ -115,7 +119,14 @@ def _contamination(model: Path, a_len: int, chunking: str, numerics: str, block:
     doc = random_tokens(rng, 24, 1000)
     a = doc + random_tokens(rng, a_len - len(doc), 1000)
     b = doc + random_tokens(rng, b_len - len(doc), 1000)
-    kw = {"block_size": block, "chunking": chunking, "numerics": numerics, "num_speculative_tokens": 1}
+    kw = {
+        "block_size": block,
+        "chunking": chunking,
+        "numerics": numerics,
+        # Speculation on, as in production (its pull-back is part of the align rule): Qwen3-Next's own
+        # MTP head, n-gram lookup for Granite (no head).
+        "speculative_config": {"method": _spec_method(model), "num_speculative_tokens": 1},
+    }
     params = _params(False, 0, 6)
     cold = LLM(str(model), max_num_batched_tokens=512, **kw).generate([b], params)[0]
     llm = LLM(str(model), max_num_batched_tokens=512, **kw)

@@ -223,3 +223,17 @@ def test_the_predictor_uses_the_block_size_the_server_reports_not_the_requested_
 def test_command_template_launcher_needs_a_port() -> None:
     with pytest.raises(ValueError, match="must contain"):
         TemplateLauncher("server --model {model}")
+
+
+def test_cli_spec_scenario_on_kvwarden_with_mtp_is_stable_and_equal_to_speculation_off(
+    hybrid: Path, tmp_path: Path
+) -> None:
+    args = ["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", "spec", "--spec-method", "mtp"]
+    args += ["--num-speculative-tokens", "3", "--repeats", "3", "--json"]
+    done = _probe(args, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    arms = {a["arm"]: a for a in summary["arms"]}
+    assert arms["spec-off"]["stable"] and arms["spec-on"]["stable"]
+    assert set(arms["spec-off"]["fingerprints"]) == set(arms["spec-on"]["fingerprints"])
+    assert all(summary["cross_arm"].values()), summary["cross_arm"]

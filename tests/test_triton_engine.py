@@ -65,6 +65,21 @@ def test_hybrid_models_every_property(hybrid_tiny: Path, dtype: str) -> None:
     assert "cached 16 tokens" in report.outcomes["b"].note  # a hybrid hit: KV blocks and the state at 16
 
 
+@pytest.mark.parametrize("method", ["draft", "mtp"])
+def test_speculation_on_the_triton_backend_equals_speculation_off(qwen3_next_tiny: Path, method: str) -> None:
+    """(j) on the token-by-token recurrent kernels: verify steps, rollbacks and the MTP head's own KV."""
+    prompt, partners = _case(3)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=4, logprobs=5, ignore_eos=True)
+    make = _make(qwen3_next_tiny, "bfloat16" if GPU else "float32")
+    reference = make(enable_prefix_caching=False).generate([prompt], params)[0]
+    spec = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft":
+        spec["model"] = str(qwen3_next_tiny)  # its own draft: every draft accepted, no rollback
+    only = PROPERTIES if GPU else ("b", "f")
+    report = check_properties(partial(make, speculative_config=spec), prompt, params, BLOCK, partners, only, reference)
+    assert report.all_identical, report.failures()
+
+
 def test_triton_kernels_on_a_cpu_need_the_interpreter(llama_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

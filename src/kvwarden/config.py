@@ -5,6 +5,7 @@ The layers are:
 * :class:`NumericsConfig` - how kernels reduce (the invariance contract lives here).
 * :class:`CacheConfig` - paged KV cache and prefix cache.
 * :class:`SchedulerConfig` - batching, chunked prefill, chunking rule.
+* :class:`SpeculativeConfig` - speculative decoding (proposer, draft length, acceptance).
 * :class:`EngineConfig` - the above plus model directory, dtype and seed.
 
 No part of kvwarden reads configuration from globals or environment variables.
@@ -111,15 +112,13 @@ class SchedulerConfig:
         max_num_seqs: most requests running at once.
         chunking: the rule that cuts prefill into chunks. ``"kvwarden"`` takes as
             much as the budget allows; the legacy rules re-create vLLM's
-            hybrid align-mode scheduling (see ``docs/architecture.md``).
-        num_speculative_tokens: a parameter of the legacy-align rule (it pulls the
-            last cacheable position back one block when speculation is on).
+            hybrid align-mode scheduling (see ``docs/architecture.md``); their
+            pull-back of one block follows from speculative decoding being on.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 32
     chunking: ChunkingRule = "kvwarden"
-    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -128,8 +127,86 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.chunking not in CHUNKING_RULES:
             raise ValueError(f"chunking: unknown rule {self.chunking!r}; expected one of {CHUNKING_RULES}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+
+
+SPEC_METHODS: tuple[str, ...] = ("mtp", "draft", "ngram")
+SPEC_ACCEPTANCE: tuple[str, ...] = ("match", "rejection")
+SPEC_FIELDS: tuple[str, ...] = (
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "acceptance",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, spelled as vLLM's ``speculative_config`` dict.
+
+    Attributes:
+        method: ``"mtp"`` (the checkpoint's multi-token-prediction head),
+            ``"draft"`` (a separate small model, ``model``) or ``"ngram"``
+            (prompt lookup over the request's own tokens).
+        num_speculative_tokens: draft tokens proposed per step (k >= 1); the
+            target scores the k + 1 positions in one step.
+        model: the draft model (``method="draft"`` only): any name
+            :func:`kvwarden.models.sources.resolve_model` accepts, sharing the
+            target's tokenizer.
+        prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first.
+        acceptance: ``"match"`` (default; lossless and invariant: a draft token
+            is accepted iff it equals the token the target chooses at that
+            position, greedy or seeded, so the output equals speculation off bit
+            for bit) or ``"rejection"`` (standard rejection sampling: more
+            tokens accepted, the same distribution, but *not* the same tokens
+            as speculation off; not invariant).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    acceptance: str = "match"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: unknown {self.method!r}; expected one of {SPEC_METHODS}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {k!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative_config.model: method 'draft' needs the draft model (a path or name)")
+        if self.method != "draft" and self.model is not None:
+            raise ValueError(f"speculative_config.model: only method 'draft' takes a model, not {self.method!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name}: must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min: {lo} is larger than prompt_lookup_max {hi}")
+        if self.acceptance not in SPEC_ACCEPTANCE:
+            raise ValueError(
+                f"speculative_config.acceptance: unknown {self.acceptance!r}; expected one of {SPEC_ACCEPTANCE}"
+            )
+
+    @classmethod
+    def from_dict(cls, spec: object) -> SpeculativeConfig | None:
+        """Parse vLLM's dict (``None`` or ``{}``: speculation off); errors name the field."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec  # type: ignore[return-value]
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config: expected a JSON object, got {type(spec).__name__}")
+        if not spec:
+            return None
+        unknown = sorted(set(spec) - set(SPEC_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown field; known fields: {list(SPEC_FIELDS)}")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in spec:
+                raise ValueError(f"speculative_config.{name}: required")
+        return cls(**spec)
 
 
 @dataclass(frozen=True)
@@ -148,6 +225,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from rich.progress import Progress
 
-from kvwarden.config import CacheConfig, EngineConfig, NumericsConfig, SchedulerConfig
+from kvwarden.config import CacheConfig, EngineConfig, NumericsConfig, SchedulerConfig, SpeculativeConfig
 from kvwarden.engine.llm_engine import LLMEngine, Prompt
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
@@ -31,6 +31,11 @@ class LLM:
         max_model_len: cap on prompt + output length.
         numerics: ``"canonical"`` (invariant) or ``"shape-dependent"`` (vendor-style).
         chunking: ``"kvwarden"`` or a legacy hybrid rule.
+        speculative_config: vLLM's dict, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 3}``; methods ``"mtp"``, ``"draft"`` (with
+            ``"model"``), ``"ngram"`` (``"prompt_lookup_min"`` / ``"prompt_lookup_max"``);
+            ``"acceptance": "rejection"`` trades invariance for acceptance.
+            ``None`` (default): no speculation.
         seed: seeds the per-request seeds of unseeded sampling requests.
         device: ``"auto"`` (the GPU when PyTorch sees one, else the CPU),
             ``"cpu"`` or ``"cuda"``.
@@ -54,7 +59,7 @@ class LLM:
         max_model_len: int | None = None,
         numerics: str = "canonical",
         chunking: str = "kvwarden",
-        num_speculative_tokens: int = 0,
+        speculative_config: dict | None = None,
         seed: int = 0,
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
@@ -77,9 +82,9 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 chunking=chunking,  # type: ignore[arg-type]
-                num_speculative_tokens=num_speculative_tokens,
             ),
             numerics=NumericsConfig(mode=numerics, kernels=kernels),  # type: ignore[arg-type]
+            speculative=SpeculativeConfig.from_dict(speculative_config),
         )
         self.engine = LLMEngine(config)
 

@@ -16,6 +16,9 @@ caching off - by the IEEE-754 bytes of every (token id, logprob) pair:
     blocks) once, then the request twice
 (i) a multi-turn follow-up that reuses blocks written during decode, cold vs warm
 
+(j) speculative decoding: all of the above with speculation on, compared with
+    the reference run with speculation off (``reference=``).
+
 Used by the CPU tests, the Triton-backend tests (under the interpreter in CI,
 compiled on a GPU) and ``bench/invariance.py``, which also runs it with
 ``numerics="shape-dependent"`` to show what the fast path does.
@@ -85,14 +88,17 @@ def check_properties(
     block_size: int,
     partners: list[list[int]],
     only: tuple[str, ...] = PROPERTIES,
+    reference: RequestOutput | None = None,
 ) -> PropertyReport:
     """Run the chosen properties for one prompt; ``make(**overrides)`` builds an engine.
 
     ``prompt`` should be longer than two blocks; ``partners`` are unrelated
-    prompts used as batch partners and to fill the pool in (g).
+    prompts used as batch partners and to fill the pool in (g). ``reference``
+    replaces the cold run of ``make`` as what every run must equal (property
+    (j): ``make`` speculates, the reference does not).
     """
     report = PropertyReport()
-    ref = make(enable_prefix_caching=False).generate([prompt], params)[0]
+    ref = reference or make(enable_prefix_caching=False).generate([prompt], params)[0]
 
     def record(name: str, out: RequestOutput, note: str = "") -> None:
         if name in only:

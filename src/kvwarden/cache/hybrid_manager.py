@@ -84,13 +84,17 @@ class HybridCacheManager:
         bs = self.block_size
         extend_hashes(req.block_hashes, req.all_token_ids, bs, req.cache_salt)
         for pos in positions:
+            if pos > req.num_computed_tokens:
+                continue
             i = pos // bs - 1
             tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
             if self.kv.enable_caching and i < len(req.block_hashes):
                 block_hash = req.block_hashes[i]
                 if self.pool.lookup(block_hash, tokens) is not None:
                     self.states.commit(req.request_id, pos, block_hash)
-        self.states.drop_staged(req.request_id)  # states of unpublished blocks are dropped
+        # States of computed but unpublished blocks are dropped; states staged past the computed
+        # tokens (draft positions of a verify step) wait until the drafts are accepted or rolled back.
+        self.states.drop_staged(req.request_id, upto=req.num_computed_tokens)
 
     def free(self, req: CacheView) -> None:
         self.kv.free(req)

@@ -63,6 +63,7 @@ class StatePool:
         self._free_snapshots = list(range(num_snapshots - 1, -1, -1))
         self._snapshot_of: dict[bytes, int] = {}
         self._staged: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._checkpoints: dict[str, list[torch.Tensor]] = {}
 
     @staticmethod
     def snapshot_bytes(specs: list[RecurrentLayerSpec]) -> int:
@@ -92,6 +93,35 @@ class StatePool:
         if slot is not None:
             self._free_working.append(slot)
         self._staged.pop(request_id, None)
+        self._checkpoints.pop(request_id, None)
+
+    # ---------------------------------------------------------- speculation
+    def checkpoint(self, request_id: str) -> None:
+        """Copy a request's working state before a step that scores draft tokens.
+
+        NOTE(invariance): a verify step advances the recurrent state through
+        every draft token; if any is rejected, :meth:`rollback` returns to this
+        copy and the accepted tokens are recomputed by the next step, so the
+        state the request carries on is always computed from accepted tokens only.
+        """
+        slot = self.working[request_id]
+        self._checkpoints[request_id] = [t[slot].clone() for t in self._working_tensors()]
+
+    def rollback(self, request_id: str, position: int) -> None:
+        """Restore the checkpoint (the state at ``position``) and forget boundary states staged after it."""
+        saved = self._checkpoints.pop(request_id)
+        slot = self.working[request_id]
+        for dst, src in zip(self._working_tensors(), saved, strict=True):
+            dst[slot].copy_(src)
+        staged = self._staged.get(request_id, {})
+        for pos in [p for p in staged if p > position]:
+            del staged[pos]
+
+    def drop_checkpoint(self, request_id: str) -> None:
+        self._checkpoints.pop(request_id, None)
+
+    def _working_tensors(self) -> list[torch.Tensor]:
+        return [*self.conv, *self.ssm, *self.pending]
 
     def views(self, request_id: str, layer: int) -> tuple[torch.Tensor, ScanState]:
         """(conv window, scan state) of a request's working slot for one layer."""
@@ -133,8 +163,14 @@ class StatePool:
         self._snapshot_of[block_hash] = slot
         return True
 
-    def drop_staged(self, request_id: str) -> None:
-        self._staged.pop(request_id, None)
+    def drop_staged(self, request_id: str, upto: int | None = None) -> None:
+        """Forget staged states (only those at positions <= ``upto`` when given)."""
+        if upto is None:
+            self._staged.pop(request_id, None)
+            return
+        staged = self._staged.get(request_id, {})
+        for pos in [p for p in staged if p <= upto]:
+            del staged[pos]
 
     def evict(self, block_hash: bytes) -> None:
         """Drop the snapshot of an evicted KV block."""

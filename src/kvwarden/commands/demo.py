@@ -1,9 +1,10 @@
 """``kvwarden demo``: does a prefix cache change the answer? Predicted and measured, in about a minute.
 
 On a built-in hybrid model, the contamination scenario (docs/production-story.md
-§1) is probed under three server configurations, each arm on a fresh server:
+§1) is probed under four server configurations, each arm on a fresh server:
 vLLM's align rule with vendor-style numerics (the production bug), the rule's
-one-line fix, and kvwarden's defaults. Beside each observation, the predictor's
+one-line fix, and kvwarden's defaults, all with speculative decoding on (as in
+production), and kvwarden's defaults with it off. Beside each observation, the predictor's
 verdict for the same lengths and the block size the server reported. Every
 configuration leaves a probe run directory (``records.jsonl``,
 ``summary.json``, ``report.html``); the top directory has the summary page.
@@ -32,12 +33,16 @@ class Config:
     label: str
     chunking: str
     numerics: str
+    speculative: bool = True
 
 
+# Speculative decoding is on, as in production: it is what pulls the align rule's last cacheable
+# position back one block. The last row turns it off to show kvwarden's output does not depend on it.
 CONFIGS = (
     Config("vLLM's align rule + vendor-style kernels (the production bug)", "legacy-align", "shape-dependent"),
     Config("the rule's one-line fix + vendor-style kernels", "legacy-align-fixed", "shape-dependent"),
     Config("kvwarden's defaults (canonical kernels, any chunking)", "kvwarden", "canonical"),
+    Config("kvwarden's defaults, speculative decoding off", "kvwarden", "canonical", speculative=False),
 )
 
 
@@ -50,7 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--a-len", type=int, default=28, help="tokens of request A (just below two blocks)")
     p.add_argument("--b-len", type=int, default=44, help="tokens of request B")
     p.add_argument("--shared", type=int, default=24, help="leading tokens A and B share (the document)")
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="pull-back of the legacy rule")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=1,
+        help="draft tokens per step (MTP when the model has a head, else n-gram); speculation on pulls the "
+        "legacy rule's last cacheable position back one block",
+    )
     p.add_argument("--repeats", type=int, default=5, help="runs of B per arm")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens B generates (the plots' x axis)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/demo-TIMESTAMP)")
@@ -80,6 +91,7 @@ def _predicted(stable: bool, history: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvwarden.models.mtp import checkpoint_has_mtp
     from kvwarden.models.sources import resolve_model
     from kvwarden.models.tokenizer import Tokenizer
     from kvwarden.probe.builtin import Shape, build, prompts
@@ -93,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = str(resolve_model(args.model))
     tokenizer = Tokenizer.from_dir(model)
+    method = "mtp" if checkpoint_has_mtp(model) else "ngram"
     shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
     a, b = prompts(shape, tokenizer)
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -109,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=max(len(a), len(b)) + 64,
             chunking=cfg.chunking,
             numerics=cfg.numerics,
+            speculative=cfg.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
+            spec_method=method,
         )
         scenario = build(
             "contamination", settings, tokenizer, shape, args.repeats, max_tokens=args.max_tokens, ignore_eos=True
@@ -134,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{'as predicted' if c.matches else 'NOT as predicted'}"
             )
     ok = _summary(console, results)
+    ok &= _spec_row(console, results, method)
     page = _write_page(out, args, len(a), len(b), results, js)
     (out / "summary.json").write_text(
         json.dumps({cfg.label: r.to_dict() for cfg, r in results} | {"all_as_predicted": ok}, indent=2)
@@ -197,6 +213,20 @@ def _summary(console: Console, results: list[tuple[Config, RunResult]]) -> bool:
     console.print()
     console.print(table)
     return all_ok
+
+
+def _spec_row(console: Console, results: list[tuple[Config, RunResult]], method: str) -> bool:
+    """kvwarden with speculation on must give B exactly the answer it gives with speculation off."""
+    canonical = [r for cfg, r in results if cfg.chunking == "kvwarden"]
+    if len(canonical) != 2 or any(s.error for r in canonical for s in r.summaries):
+        return False
+    on, off = ({fp for s in r.summaries for fp in s.fingerprints} for r in canonical)
+    same = on == off and len(on) == 1
+    console.print(
+        f"kvwarden, speculative decoding ({method}) on vs off: B's top-20 logprobs "
+        + ("[green]bitwise identical[/green] in every run" if same else "[red]DIFFER[/red]")
+    )
+    return same
 
 
 def _write_page(

@@ -40,10 +40,13 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         help="prefill chunking rule; legacy-align re-creates vLLM's hybrid align mode",
     )
     p.add_argument(
-        "--num-speculative-tokens",
-        type=_non_negative,
-        default=0,
-        help="> 0 pulls the legacy-align rule's last cacheable position back one block",
+        "--speculative-config",
+        type=speculative_json,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+        '(methods: mtp, draft with "model", ngram with "prompt_lookup_min"/"prompt_lookup_max"; '
+        '"acceptance": "rejection" is not invariant)',
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the per-request seeds of unseeded sampling requests")
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU when there is one, else the CPU")
@@ -77,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "kv_cache_memory": args.kv_cache_mib * 1024 * 1024,
         "numerics": args.numerics,
         "chunking": args.chunking,
-        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_config": args.speculative_config,
         "seed": args.seed,
         "device": args.device,
         "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -91,8 +94,18 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def speculative_json(text: str) -> dict:
+    """``--speculative-config``: a JSON object, checked as the engine will check it."""
+    import json
+
+    from kvwarden.config import SpeculativeConfig
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    try:
+        SpeculativeConfig.from_dict(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec

@@ -55,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only: kernels")
     p.add_argument("--device", choices=DEVICES, help="kvwarden launcher only: cpu, cuda or auto")
     p.add_argument("--num-speculative-tokens", type=int, default=2, help="draft tokens in arms with speculation")
+    p.add_argument(
+        "--spec-method",
+        choices=("ngram", "mtp"),
+        default="ngram",
+        help="kvwarden launcher only: proposer in arms with speculation (vLLM's arms use n-gram)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="server dtype (vLLM serves Qwen3-Next in bfloat16)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
     p.add_argument("--ready-timeout", type=float, help="seconds to wait for a server (default: per launcher)")
@@ -101,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         numerics=args.numerics,
         device=args.device,
         num_speculative_tokens=args.num_speculative_tokens,
+        spec_method=args.spec_method,
         dtype=args.dtype,
         extra_args=tuple(args.server_arg),
     )

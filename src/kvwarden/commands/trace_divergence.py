@@ -23,7 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--a-len", type=int, default=28, help="tokens of request A (just below 2 blocks)")
     p.add_argument("--b-len", type=int, default=44, help="tokens of request B (longer than A)")
     p.add_argument("--shared", type=int, default=24, help="tokens A and B share at the start (>= 1 block)")
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="legacy rule's speculative pull-back")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=1,
+        help="draft tokens of n-gram speculation (0: off); speculation on is what makes the legacy rule pull back",
+    )
     p.add_argument("--chunking", choices=CHUNKING_RULES, default="legacy-align", help="prefill chunking rule")
     p.add_argument(
         "--numerics", choices=NUMERICS_MODES, default="shape-dependent", help="kernels: vendor-style or canonical"

@@ -41,9 +41,9 @@ class LegacyAlignChunking:
     a chunk, so a state exists at every boundary.
     """
 
-    def __init__(self, block_size: int, num_speculative_tokens: int, fixed: bool) -> None:
+    def __init__(self, block_size: int, speculative: bool, fixed: bool) -> None:
         self.block_size = block_size
-        self.speculative = num_speculative_tokens > 0
+        self.speculative = speculative
         self.fixed = fixed
 
     def chunk(self, req: CacheView, start: int, max_tokens: int) -> int:
@@ -66,8 +66,9 @@ class LegacyAlignChunking:
         return n
 
 
-def make_chunking_rule(config: SchedulerConfig, block_size: int) -> ChunkingRule:
+def make_chunking_rule(config: SchedulerConfig, block_size: int, speculative: bool = False) -> ChunkingRule:
+    """The configured rule; ``speculative`` (speculative decoding on) drives the legacy pull-back."""
     if config.chunking == "kvwarden":
         return GreedyChunking()
     fixed = config.chunking == "legacy-align-fixed"
-    return LegacyAlignChunking(block_size, config.num_speculative_tokens, fixed)
+    return LegacyAlignChunking(block_size, speculative, fixed)

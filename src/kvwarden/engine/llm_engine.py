@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvwarden.cache.block_pool import BlockPool
 from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig, resolve_device
+from kvwarden.engine.memory import cache_budget
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import prompt_logprob_rows, row_math_for, sample_row
+from kvwarden.engine.sampler import prompt_logprob_rows, row_math_for
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvwarden.engine.spec_decode import verify
+from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
+
+if TYPE_CHECKING:
+    from kvwarden.engine.speculator import Speculator
 
 Prompt = str | list[int]
 
@@ -56,7 +62,9 @@ class LLMEngine:
             )
         # A recurrent-state snapshot lives with its block: count it in the per-block budget.
         per_block = kv_bytes_per_block(model, cache.block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
-        self.num_blocks = cache.num_blocks or max(2, self._cache_budget(specs) // per_block)
+        self.num_blocks = cache.num_blocks or max(
+            2, cache_budget(config, self.device, self.model_config, specs) // per_block
+        )
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
         self.kv: KVCacheManager | HybridCacheManager = KVCacheManager(
             self.pool, cache.block_size, cache.enable_prefix_caching
@@ -67,8 +75,14 @@ class LLMEngine:
                 specs, config.scheduler.max_num_seqs, self.num_blocks, config.numerics.scan_chunk, self.ops.device
             )
             self.kv = HybridCacheManager(self.kv, self.states)
-        self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size)
+        self.spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size, speculative=self.spec is not None)
         self.runner = ModelRunner(model, self.num_blocks, cache.block_size, config.numerics, self.states)
+        self.speculator: Speculator | None = None
+        if self.spec is not None:
+            from kvwarden.engine.speculator import Speculator as _Speculator  # it imports this module's users
+
+            self.speculator = _Speculator(self.spec, self)
         self.requests: dict[str, Request] = {}
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
@@ -77,38 +91,6 @@ class LLMEngine:
         self.last_scheduled: list[tuple[str, int, int]] = []  # (request, start, end) of the last step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-
-    def _cache_budget(self, specs: list) -> int:
-        """Bytes for the KV pool (and the state snapshots that live with its blocks).
-
-        On the CPU: ``memory_bytes``. On a GPU, as vLLM does: the share
-        ``gpu_memory_utilization`` of the device's memory, minus what is in use
-        now (weights, other processes), minus the working states of
-        ``max_num_seqs`` requests and an estimate of one step's activations.
-        """
-        if self.device != "cuda":
-            return self.config.cache.memory_bytes
-        import gc
-
-        import torch
-
-        gc.collect()  # an engine dropped just before this one still holds its pool in the allocator's cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        cfg, sched = self.model_config, self.config.scheduler
-        working = sched.max_num_seqs * StatePool.snapshot_bytes(specs) * 2 if specs else 0
-        width = max(cfg.hidden_size, cfg.intermediate_size, 1)
-        # per token of the step: a few hidden-sized float32 buffers plus the widest projection, and the
-        # sampled rows' float32 logits; doubled for allocator slack
-        activations = 2 * sched.max_num_batched_tokens * 4 * (8 * cfg.hidden_size + 4 * width)
-        activations += 2 * sched.max_num_seqs * 4 * cfg.vocab_size
-        budget = int(total * self.config.cache.gpu_memory_utilization) - (total - free) - working - activations
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization: {self.config.cache.gpu_memory_utilization} leaves no memory for the KV "
-                f"cache ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
-            )
-        return budget
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -176,6 +158,7 @@ class LLMEngine:
             params=params,
             seed=seed,
             capture_logits=capture_logits,
+            spec_stats=SpecStats() if self.spec is not None else None,
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -203,27 +186,44 @@ class LLMEngine:
         outputs = [self._finish(req, "length") for req in sched.out_of_memory]
         if not sched:
             return outputs
+        if self.speculator is not None:
+            self.speculator.before_step(sched)
         step_logits = self.runner.execute(sched, self.kv)
         self.num_steps += 1
         completed = self.scheduler.update(sched)
         self._record_prompt_scores(sched, step_logits)
+        ready = []
         for chunk in completed:
-            outputs.append(self._sample(chunk, step_logits))
+            out = self._sample(chunk, step_logits)
+            outputs.append(out)
+            if not out.finished:
+                ready.append(chunk.request)
+        if self.speculator is not None:
+            self.speculator.propose(sched, step_logits, ready)
         return outputs
 
     def _sample(self, chunk: ScheduledChunk, step: StepLogits) -> RequestOutput:
         req = chunk.request
-        row = step.logits[step.sample_rows[req.request_id]]
-        # keyed by the absolute position the token will take (not by the step or the batch)
-        sample = sample_row(row, req.params, req.seed, len(req.all_token_ids), self.row_math)
+        rows = step.logits[step.sample_rows[req.request_id]]
+        drafts = req.spec_token_ids[: chunk.num_spec]
+        acceptance = self.spec.acceptance if self.spec is not None else "match"
+        # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
+        samples, accepted = verify(rows, drafts, req.params, req.seed, req.num_tokens, self.row_math, acceptance)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
-        req.append_token(sample.token_id)
-        req.sampled_logprobs.append(sample.logprob)
-        if req.params.logprobs is not None:
-            req.logprobs.append(sample.top)
-        self.generation_tokens_total += 1
-        reason = update_text_and_check_stop(req, self.tokenizer, self.max_model_len)
+        reason = None
+        for sample in samples:
+            req.append_token(sample.token_id)
+            req.sampled_logprobs.append(sample.logprob)
+            if req.params.logprobs is not None:
+                req.logprobs.append(sample.top)
+            self.generation_tokens_total += 1
+            reason = update_text_and_check_stop(req, self.tokenizer, self.max_model_len)
+            if reason is not None:
+                break
+        if chunk.num_spec and self.speculator is not None:
+            self.speculator.commit(chunk, accepted, kept=min(accepted, req.num_tokens - 1 - chunk.end))
+        req.spec_token_ids = []
         if reason is not None:
             return self._finish(req, reason)
         return RequestOutput.of(req, self._prompts.get(req.request_id))
@@ -258,6 +258,9 @@ class LLMEngine:
     def _release(self, req: Request) -> RequestOutput:
         out = RequestOutput.of(req, self._prompts.pop(req.request_id, None))
         del self.requests[req.request_id]
+        req.spec_token_ids = []
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
         return out
 
     # -------------------------------------------------------------- inspection
@@ -270,6 +273,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         states = self.states
+        spec = self.speculator.totals if self.speculator is not None else SpecStats()
         return {
             "state_slots_free": states.num_free_working if states else 0,
             "state_snapshots": states.num_snapshots if states else 0,
@@ -285,4 +289,8 @@ class LLMEngine:
             "steps": self.num_steps,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
+            "spec_num_drafts": spec.num_drafts,
+            "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_position": list(spec.accepted_per_position),
         }

@@ -35,14 +35,29 @@ class StepLogits:
 
     Attributes:
         logits: ``[rows, vocab]`` float32.
-        sample_rows: request id -> row whose logits give its next token.
+        sample_rows: request id -> rows whose logits give its next token, then
+            (when it carried drafts) the token after each draft token.
         prompt_rows: request id -> (first prompt position, logits rows) for
             requests that want scores of their prompt positions.
+        hidden: ``[batch rows, hidden]`` final hidden states of every row (the
+            MTP head's input), and ``hidden_rows``: request id -> its first row.
     """
 
     logits: torch.Tensor
-    sample_rows: dict[str, int]
+    sample_rows: dict[str, list[int]]
     prompt_rows: dict[str, tuple[int, list[int]]]
+    hidden: torch.Tensor | None = None
+    hidden_rows: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """Rows of one request in a step: ``token_ids`` at positions ``start ..``, over its blocks."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
@@ -76,37 +91,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_list: list[torch.Tensor] = []
-        seqs: list[SeqAttn] = []
-        slices: list[SeqSlice] = []
-        block_ids: list[list[int]] = []
-        sample_rows: dict[str, int] = {}
+        entries: list[BatchEntry] = []
+        sample_rows: dict[str, list[int]] = {}
+        hidden_rows: dict[str, int] = {}
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
         want_rows: list[int] = []
+        row0 = 0
         for chunk in out.chunks:
             req = chunk.request
-            row0 = len(ids)
-            ids.extend(req.all_token_ids[chunk.start : chunk.end])
-            positions.extend(range(chunk.start, chunk.end))
-            blocks = kv.block_ids(req.request_id)
-            block_ids.append(blocks)
-            slots = self._slots(blocks, chunk.end)
-            slot_list.append(slots[chunk.start : chunk.end])
-            seqs.append(SeqAttn(row0, chunk.num_tokens, chunk.start, slots))
-            slices.append(SeqSlice(req.request_id, row0, chunk.num_tokens, chunk.start))
+            hidden_rows[req.request_id] = row0
+            # Draft tokens are scored after the chunk as if they were the request's next tokens.
+            ids = req.all_token_ids[chunk.start : chunk.end] + req.spec_token_ids[: chunk.num_spec]
+            entries.append(BatchEntry(req.request_id, ids, chunk.start, kv.block_ids(req.request_id)))
             scored = min(chunk.end, req.num_prompt_tokens) - chunk.start
             if req.wants_prompt_scores and scored > 0:
                 # Row of position j holds the distribution of token j+1.
                 prompt_rows[req.request_id] = (chunk.start, list(range(len(want_rows), len(want_rows) + scored)))
                 want_rows.extend(range(row0, row0 + scored))
             if chunk.completes:
-                sample_rows[req.request_id] = len(want_rows)
-                want_rows.append(row0 + chunk.num_tokens - 1)
+                first = len(want_rows)
+                sample_rows[req.request_id] = list(range(first, first + 1 + chunk.num_spec))
+                want_rows.extend(range(row0 + chunk.num_tokens - 1, row0 + len(ids)))
+            row0 += len(ids)
+        batch = self.make_batch(entries)
+        hidden = self.model.forward(batch, self.kv_caches)
+        if want_rows:
+            logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(self.device)])
+        else:
+            logits = torch.empty((0, 0), device=self.device)
+        return StepLogits(logits, sample_rows, prompt_rows, hidden, hidden_rows)
+
+    def make_batch(self, entries: list[BatchEntry]) -> ForwardBatch:
+        """The step's tensors for rows of several requests (host-built, copied to the device once)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_list: list[torch.Tensor] = []
+        seqs: list[SeqAttn] = []
+        slices: list[SeqSlice] = []
+        block_ids: list[list[int]] = []
+        for e in entries:
+            row0, end = len(ids), e.start + len(e.token_ids)
+            ids.extend(e.token_ids)
+            positions.extend(range(e.start, end))
+            block_ids.append(e.block_ids)
+            slots = self._slots(e.block_ids, end)
+            slot_list.append(slots[e.start : end])
+            seqs.append(SeqAttn(row0, len(e.token_ids), e.start, slots))
+            slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
         plan = self.ops.attention_plan(seqs, len(ids), block_ids, self.null_slot)
         dev = self.device
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             slot_mapping=torch.cat(slot_list).to(dev, non_blocking=True),
@@ -117,12 +151,6 @@ class ModelRunner:
             scan_chunk=self.numerics.scan_chunk,
             tracer=self.tracer,
         )
-        hidden = self.model.forward(batch, self.kv_caches)
-        if want_rows:
-            logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(dev)])
-        else:
-            logits = torch.empty((0, 0), device=dev)
-        return StepLogits(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """Flat cache slot of every position ``[0, num_tokens)``."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvwarden.engine.request import Request, TopLogprobs
+from kvwarden.engine.spec_stats import SpecStats
 
 
 @dataclass
@@ -26,6 +27,9 @@ class RequestOutput:
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
         stop_reason: the stop string or token id that ended the request.
         prompt_logits: ``[prompt_len, vocab]`` float32 logits when captured.
+        spec_stats: speculative-decoding acceptance so far (``num_drafts``,
+            ``num_draft_tokens``, ``num_accepted_tokens``, ``accept_length``,
+            ``accept_rate``), ``None`` when speculation is off.
     """
 
     request_id: str
@@ -41,6 +45,7 @@ class RequestOutput:
     num_preemptions: int = 0
     prompt: str | None = field(default=None, repr=False)
     prompt_logits: torch.Tensor | None = field(default=None, repr=False)
+    spec_stats: SpecStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,4 +68,5 @@ class RequestOutput:
             num_preemptions=req.num_preemptions,
             prompt=prompt,
             prompt_logits=torch.stack(req.prompt_logits) if req.capture_logits and req.prompt_logits else None,
+            spec_stats=req.spec_stats.copy() if req.spec_stats is not None else None,
         )

@@ -9,6 +9,7 @@ import torch
 
 from kvwarden.cache.kv_cache_manager import CacheView
 from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.engine.spec_stats import SpecStats
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -40,6 +41,10 @@ class Request(CacheView):
         stop_reason: the stop string or token id that ended generation.
         capture_logits: keep the float32 logits of every prompt position in
             ``prompt_logits`` (for :meth:`kvwarden.LLM.score` and the tools).
+        spec_token_ids: draft tokens proposed for the next step. NOTE(invariant):
+            they never enter ``all_token_ids`` (so never a block hash or the
+            prefix cache) until the target has chosen the same token there.
+        spec_stats: acceptance counts (``None`` when speculation is off).
     """
 
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -57,6 +62,8 @@ class Request(CacheView):
     text: str = ""
     capture_logits: bool = False
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_stats: SpecStats | None = None
 
     @property
     def num_tokens(self) -> int:

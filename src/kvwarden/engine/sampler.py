@@ -118,6 +118,11 @@ def prompt_logprob_rows(
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, math: RowMath) -> int:
+    return draw_from(sampling_probs(logits, params, math), seed, position)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams, math: RowMath) -> torch.Tensor:
+    """The distribution a seeded request samples from: temperature, then top-k, then top-p."""
     scaled = logits / params.temperature
     keep = torch.ones_like(scaled, dtype=torch.bool)
     needs_order = (0 < params.top_k < scaled.numel()) or params.top_p < 1.0
@@ -130,11 +135,25 @@ def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int
         mass_before = (math.cumsum(sorted_probs) - sorted_probs)[0]
         keep[order[mass_before >= params.top_p]] = False
     scaled = scaled.masked_fill(~keep, float("-inf"))
-    probs = math.softmax(scaled.view(1, -1))[0]
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p. The maximum is exact;
-    # among equal ratios the lowest id wins.
-    ratio = probs.double() / exponential_noise(seed, position, probs.numel(), probs.device)
+    return math.softmax(scaled.view(1, -1))[0]
+
+
+def draw_from(probs: torch.Tensor, seed: int, position: int, stream: int = 0) -> int:
+    """One draw from ``probs`` keyed by ``(seed, position, stream)`` alone.
+
+    Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p. The
+    maximum is exact; among equal ratios the lowest id wins. ``stream`` > 0
+    gives independent draws for the same position (rejection sampling's
+    residual); the default stream is the one plain decoding uses.
+    """
+    key = position if stream == 0 else position ^ (stream << 56)
+    ratio = probs.double() / exponential_noise(seed, key, probs.numel(), probs.device)
     return int(torch.nonzero(ratio == ratio.max())[0, 0])
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """One uniform number in (0, 1) keyed by ``(seed, position, stream)``."""
+    return float(torch.exp(-exponential_noise(seed, position ^ (stream << 56), 1, "cpu"))[0])  # E = -log(u)
 
 
 def exponential_noise(seed: int, position: int, n: int, device: torch.device | str) -> torch.Tensor:

@@ -9,6 +9,11 @@ Order: running requests first (oldest first), then waiting ones (FIFO). When the
 pool runs out, the newest running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the queue, keeping its generated
 tokens (recomputing them gives the same KV bitwise, by the numerics contract).
+
+Speculative decoding adds one move: a request whose chunk reaches its last
+token may also score its draft tokens (``Request.spec_token_ids``) in the same
+step, if the budget and the pool allow; otherwise the drafts are dropped. The
+engine decides afterwards how far ``num_computed_tokens`` advances.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ from kvwarden.engine.request import Request, Status
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` starting at ``start`` are computed this step."""
+    """``num_tokens`` tokens of ``request`` starting at ``start`` are computed this step.
+
+    ``num_spec`` draft tokens follow them (only when the chunk completes the request's tokens).
+    """
 
     request: Request
     start: int
     num_tokens: int
+    num_spec: int = 0
 
     @property
     def end(self) -> int:
@@ -48,7 +57,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + c.num_spec for c in self.chunks)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -57,11 +66,11 @@ class SchedulerOutput:
 class Scheduler:
     """Decides which tokens of which requests run in the next step."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, block_size: int, speculative: bool = False) -> None:
         self.config = config
         self.kv = kv
         self.block_size = block_size
-        self.rule: ChunkingRule = make_chunking_rule(config, block_size)
+        self.rule: ChunkingRule = make_chunking_rule(config, block_size, speculative)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -80,17 +89,21 @@ class Scheduler:
             req = self.running[i]
             n = self.rule.chunk(req, req.num_computed_tokens, min(req.num_tokens_to_compute, budget))
             if n > 0:
-                fits = self._allocate_or_preempt(req, n, out)
+                spec = self._num_spec(req, n, budget)
+                if spec and self.kv.allocate_slots(req, n + spec) is None:
+                    req.spec_token_ids, spec = [], 0  # drafts never cost another request its blocks
+                fits = True if spec else self._allocate_or_preempt(req, n, out)
                 if req.status is Status.WAITING:
                     break  # req itself was preempted: it was the last running request
                 if fits:
-                    out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-                    budget -= n
+                    out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, spec))
+                    budget -= n + spec
             i += 1
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            req.spec_token_ids = []  # drafts are only scored from a running request's decode step
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             start = req.num_computed_tokens + num_hit
             n = self.rule.chunk(req, start, min(req.num_tokens - start, budget))
@@ -106,6 +119,14 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, start, n))
             budget -= n
         return out
+
+    def _num_spec(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens scored beside the chunk: all of them when the chunk completes and they fit, else none."""
+        spec = len(req.spec_token_ids)
+        if spec and (req.num_computed_tokens + n != req.num_tokens or n + spec > budget):
+            req.spec_token_ids = []
+            return 0
+        return spec
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for ``req``, preempting the newest running requests as needed.
@@ -126,6 +147,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -133,7 +155,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, out: SchedulerOutput) -> list[ScheduledChunk]:
-        """Advance computed counts after the step; returns chunks whose logits are sampled."""
+        """Advance computed counts after the step; returns chunks whose logits are sampled.
+
+        A chunk's draft tokens are not counted here: the engine advances past
+        the accepted ones (:meth:`advance`) once it has verified them.
+        """
         completed = []
         for chunk in out.chunks:
             req = chunk.request
@@ -142,6 +168,11 @@ class Scheduler:
             if chunk.completes:
                 completed.append(chunk)
         return completed
+
+    def advance(self, req: Request, num_computed_tokens: int) -> None:
+        """Set a request's computed count after verification and publish what became full."""
+        req.num_computed_tokens = num_computed_tokens
+        self.kv.cache_computed_blocks(req)
 
     def finish(self, req: Request, reason: str) -> None:
         """Remove a request (finished or aborted) and return its blocks."""

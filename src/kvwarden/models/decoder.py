@@ -24,13 +24,23 @@ __all__ = ["DecoderModel", "ForwardBatch", "SeqSlice"]
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, index: int, ops: Ops, rope: RotaryEmbedding | None) -> None:
-        prefix = f"model.layers.{index}"
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        get: WeightGetter,
+        index: int,
+        ops: Ops,
+        rope: RotaryEmbedding | None,
+        prefix: str | None = None,
+        kind: str | None = None,
+    ) -> None:
+        """Layer ``index`` of the stack, or (``prefix`` and ``kind`` given) an extra layer such as the MTP head's."""
+        prefix = prefix or f"model.layers.{index}"
         self.cfg, self.ops = cfg, ops
-        self.kind = cfg.layer_types[index]
+        self.kind = kind or cfg.layer_types[index]
         self.input_norm = norm_weight(cfg, get, f"{prefix}.input_layernorm.weight")
         self.post_norm = norm_weight(cfg, get, f"{prefix}.post_attention_layernorm.weight")
-        self.name = f"L{index}"
+        self.name = f"L{index}" if prefix.startswith("model.layers.") else prefix
         if self.kind == ATTENTION:
             self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope)
         elif self.kind == GATED_DELTANET:
@@ -38,7 +48,7 @@ class DecoderLayer:
         else:
             self.mixer = Mamba2Block(cfg, get, f"{prefix}.mamba", ops)
         self.mixer.name = f"{self.name}.{'attn' if self.kind == ATTENTION else 'rec'}"
-        self.ffn = build_ffn(cfg, get, index, ops)
+        self.ffn = build_ffn(cfg, get, index, ops, prefix)
         self.kv_index = -1  # index into the KV caches (attention layers)
         self.state_index = -1  # index into the state pool (recurrent layers)
 
@@ -70,6 +80,7 @@ class DecoderModel:
         rope = None
         if cfg.use_rope and cfg.attention_layers:
             rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_parameters, max_positions, ops.device)
+        self.rope = rope
         self.layers = [DecoderLayer(cfg, get, i, ops, rope) for i in range(cfg.num_hidden_layers)]
         for kv_i, i in enumerate(cfg.attention_layers):
             self.layers[i].kv_index = kv_i

@@ -80,10 +80,15 @@ class SparseMoE:
         return combined
 
 
-def build_ffn(cfg: ModelConfig, get: WeightGetter, index: int, ops: Ops) -> MLP | GraniteMLP | SparseMoE:
-    prefix = f"model.layers.{index}"
+def build_ffn(
+    cfg: ModelConfig, get: WeightGetter, index: int, ops: Ops, prefix: str | None = None
+) -> MLP | GraniteMLP | SparseMoE:
+    """The FFN of layer ``index`` (an extra layer under ``prefix``, like Qwen3-Next's MTP, is sparse when
+    the model is)."""
+    extra = prefix is not None and not prefix.startswith("model.layers.")
+    prefix = prefix or f"model.layers.{index}"
     if cfg.architecture == "GraniteMoeHybridForCausalLM":
         return GraniteMLP(get, f"{prefix}.shared_mlp", ops)
-    if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+    if cfg.moe is not None and (extra or cfg.moe.sparse_layers[index]):
         return SparseMoE(cfg, get, f"{prefix}.mlp", ops)
     return MLP(get, f"{prefix}.mlp", ops)

@@ -72,6 +72,13 @@ def _prefill_chunks(chunks: list[tuple[int, int]], prompt_len: int) -> list[tupl
     return [(s, e) for s, e in chunks if s < prompt_len]
 
 
+def spec_config(num_speculative_tokens: int) -> dict[str, Any] | None:
+    """Speculation on (n-gram, any model) when the legacy rule should pull back; ``None`` for 0."""
+    if num_speculative_tokens <= 0:
+        return None
+    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens}
+
+
 def contamination_study(
     model: str | Path,
     block_size: int = 16,
@@ -98,7 +105,7 @@ def contamination_study(
         "block_size": block_size,
         "chunking": chunking,
         "numerics": numerics,
-        "num_speculative_tokens": num_speculative_tokens,
+        "speculative_config": spec_config(num_speculative_tokens),
         "max_num_batched_tokens": max(a_len, b_len) + 16,
     }
     run = run_scenario(model, kw, [a, b, b], max_tokens)
@@ -107,7 +114,14 @@ def contamination_study(
     where = divergence(run, "req1", run, "req2")
     writer = divergence(run, "req0", run, "req1", positions=set(range(shared)))
     return {
-        "scenario": {**kw, "a_len": a_len, "b_len": b_len, "shared": shared, "max_tokens": max_tokens},
+        "scenario": {
+            **kw,
+            "num_speculative_tokens": num_speculative_tokens,
+            "a_len": a_len,
+            "b_len": b_len,
+            "shared": shared,
+            "max_tokens": max_tokens,
+        },
         "cached_tokens": {
             "A": out_a.num_cached_tokens,
             "B run 1": b1.num_cached_tokens,

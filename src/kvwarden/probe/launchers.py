@@ -37,6 +37,7 @@ class ServerSettings:
     max_num_batched_tokens: int | None = None
     speculative: bool = False
     num_speculative_tokens: int = 2
+    spec_method: str = "ngram"  # kvwarden only: "mtp" needs a checkpoint with an MTP head
     chunking: str | None = None  # kvwarden only
     numerics: str | None = None  # kvwarden only
     device: str | None = None  # kvwarden only
@@ -159,8 +160,10 @@ class KvwardenLauncher(Launcher):
         if s.dtype:
             cmd += ["--dtype", s.dtype]
         if s.speculative or s.chunking in ("legacy-align", "legacy-align-fixed"):
-            # kvwarden does not speculate; the count parameterises the legacy rule's pull-back.
-            cmd += ["--num-speculative-tokens", str(s.num_speculative_tokens)]
+            # The legacy rules re-create a production setup that speculates (their pull-back of one
+            # block follows from speculation being on), so their arms always speculate.
+            spec = {"method": s.spec_method, "num_speculative_tokens": s.num_speculative_tokens}
+            cmd += ["--speculative-config", json.dumps(spec)]
         return cmd + list(s.extra_args)
 
 

@@ -14,7 +14,14 @@ from starlette.requests import Request
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
-from kvwarden.server.formatting import TokenText, chat_logprobs, choice_params, sampling_params, usage
+from kvwarden.server.formatting import (
+    TokenText,
+    chat_logprobs,
+    choice_params,
+    sampling_params,
+    usage,
+    with_spec,
+)
 from kvwarden.server.protocol import ApiError, ChatCompletionRequest
 from kvwarden.server.streams import EventStream, Job, choice_deltas, collect, until_disconnected
 
@@ -65,22 +72,21 @@ class ChatCompletions:
             logprobs = None
             if req.logprobs and out.logprobs is not None:
                 logprobs = chat_logprobs(out.token_ids, out.sampled_logprobs, out.logprobs, token_text)
-            choices.append(
-                {
-                    "index": job.index,
-                    "message": {"role": "assistant", "content": out.text},
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
+            choice = {
+                "index": job.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            choices.append(with_spec(choice, out))
         body = {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(*_usage_counts(len(ids), final, record)),
+            "usage": usage(*_usage_counts(len(ids), final, record), final.values()),
         }
         return JSONResponse(body)
 
@@ -137,10 +143,10 @@ class ChatCompletions:
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                     finals[index] = out
-                yield chunk([choice])
+                yield chunk([with_spec(choice, out)])
         counts = _usage_counts(prompt_len, finals, record)
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage=usage(*counts))
+            yield chunk([], usage=usage(*counts, finals.values()))
 
 
 def _usage_counts(prompt_len: int, finals: dict[int, RequestOutput], record: AccessRecord) -> tuple[int, int, int]:

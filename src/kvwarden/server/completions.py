@@ -20,6 +20,7 @@ from kvwarden.server.formatting import (
     completion_logprobs,
     sampling_params,
     usage,
+    with_spec,
 )
 from kvwarden.server.protocol import ApiError, CompletionRequest
 from kvwarden.server.streams import EventStream, Job, choice_deltas, collect, until_disconnected
@@ -84,7 +85,7 @@ class Completions:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(*counts),
+            "usage": usage(*counts, final.values()),
         }
         return JSONResponse(body)
 
@@ -104,13 +105,14 @@ class Completions:
                 sampled = prompt_sampled + sampled
                 tops = list(prompt_tops) + tops  # prompt entries also carry the actual token
             logprobs = completion_logprobs(ids, sampled, tops, token_text)
-        return {
+        choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
         }
+        return with_spec(choice, out)
 
     async def _stream(
         self,
@@ -143,7 +145,7 @@ class Completions:
                     "object": "text_completion",
                     "created": created,
                     "model": self.model_name,
-                    "choices": [choice],
+                    "choices": [with_spec(choice, out)],
                 }
         counts = _usage_counts(req, prompts, finals)
         record.set_usage(*counts)
@@ -154,7 +156,7 @@ class Completions:
                 "created": created,
                 "model": self.model_name,
                 "choices": [],
-                "usage": usage(*counts),
+                "usage": usage(*counts, finals.values()),
             }
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import TopLogprobs
 from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.models.tokenizer import Tokenizer
 from kvwarden.server.protocol import ApiError, refuse_unsupported
 
@@ -110,13 +112,35 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.replace(seed=params.seed + index)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, outputs: Iterable[RequestOutput] = ()
+) -> dict[str, Any]:
+    """OpenAI's usage object; with speculation on, ``spec_decoding`` totals over the outputs too."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    stats = [o.spec_stats for o in outputs if o.spec_stats is not None]
+    if stats:
+        total = SpecStats()
+        for st in stats:
+            total.num_drafts += st.num_drafts
+            total.num_draft_tokens += st.num_draft_tokens
+            total.num_accepted_tokens += st.num_accepted_tokens
+        body["spec_decoding"] = total.as_dict()
+    return body
+
+
+def with_spec(choice: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+    """Add the choice's cumulative ``spec_decoding`` statistics (speculation on only).
+
+    Sent in every streamed chunk, so a proxy can watch acceptance during generation.
+    """
+    if out.spec_stats is not None:
+        choice["spec_decoding"] = out.spec_stats.as_dict()
+    return choice
 
 
 def completion_logprobs(

@@ -29,6 +29,9 @@ _COUNTERS = {
     "generation_tokens": ("generation_tokens", "Generated tokens"),
     "preemptions": ("num_preemptions", "Requests preempted by recompute"),
     "evictions": ("prefix_cache_evictions", "Cached blocks evicted under memory pressure"),
+    "spec_num_drafts": ("spec_decode_num_drafts", "Verify steps that scored draft tokens"),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and scored"),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
 _GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch"),
@@ -50,6 +53,14 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
+        per_pos = CounterMetricFamily(
+            "kvwarden:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first)",
+            labels=["position"],
+        )
+        for position, count in enumerate(snap.get("spec_accepted_per_position", [])):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
         # Info gauges (always 1) carrying the configuration as labels, as vLLM's
         # vllm:cache_config_info does: the probe reads the block size and budget from here.
         for name, (doc, labels) in self.metrics.config_info().items():
@@ -64,7 +75,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
-        self._snapshot: dict[str, float] = {}
+        self._snapshot: dict[str, Any] = {}
         self._config_info: dict[str, tuple[str, dict[str, str]]] = {}
         self.registry.register(_EngineCollector(self))
         self.ttft = Histogram(
@@ -107,7 +118,7 @@ class Metrics:
         if latency is not None:
             self.e2e.observe(latency)
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._snapshot)
 
@@ -134,7 +145,8 @@ def _config_info(engine: LLMEngine) -> dict[str, tuple[str, dict[str, str]]]:
                 "max_num_batched_tokens": str(sched.max_num_batched_tokens),
                 "max_num_seqs": str(sched.max_num_seqs),
                 "chunking": sched.chunking,
-                "num_speculative_tokens": str(sched.num_speculative_tokens),
+                "num_speculative_tokens": str(config.speculative.num_speculative_tokens if config.speculative else 0),
+                "speculative_method": config.speculative.method if config.speculative else "",
                 "numerics": config.numerics.mode,
             },
         ),

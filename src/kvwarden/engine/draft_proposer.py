@@ -1,0 +1,134 @@
+"""Draft-model speculation: a small model sharing the tokenizer, run by its own engine.
+
+The draft model gets a full :class:`~kvwarden.engine.llm_engine.LLMEngine` of
+its own (weights, KV pool, prefix cache, recurrent states), whose scheduler is
+not used: for every target request that decodes next, this proposer keeps a
+*shadow* request holding the target's committed tokens, and drafts ``k`` tokens
+greedily in ``k`` batched forward passes of the draft model.
+
+NOTE(invariant): a shadow's ``all_token_ids`` is always a prefix of its
+target's; draft tokens are appended only while drafting and removed before any
+block is published, so the draft's prefix cache only ever holds committed
+tokens. A hybrid draft model's state is checkpointed at the committed length
+and restored after drafting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from kvwarden.config import SpeculativeConfig
+from kvwarden.engine.model_runner import StepLogits
+from kvwarden.engine.request import Request, Status
+from kvwarden.engine.sampler import sample_row
+from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvwarden.engine.llm_engine import LLMEngine
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class DraftModelProposer:
+    """Proposes with a separate draft model (``speculative_config={"method": "draft", "model": ...}``)."""
+
+    def __init__(self, spec: SpeculativeConfig, target: LLMEngine) -> None:
+        from kvwarden.engine.llm_engine import LLMEngine  # the target engine imports this module lazily
+
+        assert spec.model is not None
+        # As many blocks as the target: a shadow never needs more than its target. On a GPU the
+        # target sized its pool first, so leave room with a lower gpu_memory_utilization.
+        cache = replace(target.config.cache, num_blocks=target.num_blocks)
+        self.draft = LLMEngine(replace(target.config, model=spec.model, speculative=None, cache=cache))
+        self.target_vocab = target.model_config.vocab_size
+        _check_vocabulary(spec.model, self.draft, target)
+        self.shadows: dict[str, Request] = {}
+
+    def propose(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> None:
+        live = {req.request_id for req, _ in ready}
+        work = [(req, shadow, k) for req, k in ready if (shadow := self._sync(req, k, live)) is not None]
+        committed = {shadow.request_id: shadow.num_tokens for _, shadow, _ in work}
+        states = self.draft.states
+        for round_ in range(max((k for _, _, k in work), default=0)):
+            active = [(req, shadow) for req, shadow, k in work if round_ < k]
+            if round_ == 1 and states is not None:
+                for _, shadow in active:  # the state at the committed length, restored after drafting
+                    states.checkpoint(shadow.request_id)
+            chunks = [
+                ScheduledChunk(shadow, shadow.num_computed_tokens, shadow.num_tokens - shadow.num_computed_tokens)
+                for _, shadow in active
+            ]
+            out = self.draft.runner.execute(SchedulerOutput(chunks=chunks), self.draft.kv)
+            for chunk in chunks:
+                shadow = chunk.request
+                row = out.logits[out.sample_rows[shadow.request_id][0]]
+                token = sample_row(row, _GREEDY, 0, shadow.num_tokens, self.draft.row_math).token_id
+                shadow.num_computed_tokens = chunk.end
+                shadow.all_token_ids.append(token)
+        for req, shadow, k in work:
+            rid = shadow.request_id
+            n = committed[rid]
+            drafts = shadow.all_token_ids[n:]
+            del shadow.all_token_ids[n:]
+            if states is not None and k > 1:
+                states.rollback(rid, n)
+            shadow.num_computed_tokens = n
+            self.draft.kv.cache_computed_blocks(shadow)
+            # A draft vocabulary larger than the target's (padding rows) may propose ids the target lacks.
+            valid = next((i for i, t in enumerate(drafts) if t >= self.target_vocab), len(drafts))
+            req.spec_token_ids = drafts[:valid]
+
+    def _sync(self, req: Request, k: int, live: set[str]) -> Request | None:
+        """The request's shadow with the target's new tokens and slots for ``k`` drafting rounds."""
+        rid = req.request_id
+        kv = self.draft.kv
+        shadow = self.shadows.get(rid)
+        if shadow is None:
+            shadow = Request(
+                request_id=rid,
+                all_token_ids=list(req.all_token_ids),
+                prompt_token_ids=list(req.prompt_token_ids),
+                params=_GREEDY,
+                cache_salt=req.cache_salt,
+                status=Status.RUNNING,
+            )
+            hits, num_hit = kv.get_computed_blocks(shadow)
+            need = shadow.num_tokens - num_hit + k - 1
+            if kv.allocate_slots(shadow, need, hits) is None:
+                self._evict(live)
+                hits, num_hit = kv.get_computed_blocks(shadow)
+                need = shadow.num_tokens - num_hit + k - 1
+                if kv.allocate_slots(shadow, need, hits) is None:
+                    return None
+            shadow.num_computed_tokens = num_hit
+            self.shadows[rid] = shadow
+            return shadow
+        shadow.all_token_ids.extend(req.all_token_ids[shadow.num_tokens :])
+        if kv.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1) is None:
+            self.release(rid)  # the draft pool is full: this request decodes without drafts for now
+            return None
+        return shadow
+
+    def _evict(self, live: set[str]) -> None:
+        for rid in [r for r in self.shadows if r not in live]:
+            self.release(rid)
+
+    def release(self, request_id: str) -> None:
+        shadow = self.shadows.pop(request_id, None)
+        if shadow is not None:
+            self.draft.kv.free(shadow)
+
+
+def _check_vocabulary(name: str, draft: LLMEngine, target: LLMEngine) -> None:
+    """A draft must tokenize exactly as the target does, or its tokens mean something else."""
+    mine = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+    theirs = target.tokenizer.backend.get_vocab(with_added_tokens=True)
+    if mine != theirs:
+        differ = sum(1 for tok, i in theirs.items() if mine.get(tok) != i)
+        raise ValueError(
+            f"speculative_config.model: {name} has another vocabulary than the target "
+            f"({len(mine)} vs {len(theirs)} tokens, {differ} of the target's tokens differ); "
+            "a draft model must share the target's tokenizer"
+        )

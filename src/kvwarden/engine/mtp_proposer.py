@@ -1,0 +1,129 @@
+"""MTP speculation: Qwen3-Next's own multi-token-prediction head drafts the next tokens.
+
+The head's attention layer keeps its own KV cache, laid out like the target's
+(one more paged tensor, addressed through the target's block tables), so after
+every step the head runs over every row the target computed (prefill chunks
+included), with the tokens shifted by one. Then, for each request that decodes
+next, its last row's output gives draft 1 and ``k - 1`` more passes of the head
+over its own output give the rest.
+
+NOTE: the head's KV at the last position of a block depends on the first token
+of the next block, which the block's hash does not cover, so a prefix hit may
+bring a head KV entry written for another continuation. That can only lower
+acceptance: drafts never change the answer (:mod:`kvwarden.engine.spec_decode`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvwarden.engine.model_runner import BatchEntry, StepLogits
+from kvwarden.engine.request import Request
+from kvwarden.engine.sampler import sample_row
+from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.engine.scheduler import SchedulerOutput
+from kvwarden.models.loader import TORCH_DTYPES
+from kvwarden.models.mtp import MtpHead, has_mtp
+
+if TYPE_CHECKING:
+    from kvwarden.engine.llm_engine import LLMEngine
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class MtpProposer:
+    """Proposes with the checkpoint's MTP head (``speculative_config={"method": "mtp"}``)."""
+
+    def __init__(self, target: LLMEngine) -> None:
+        weights = target.loaded.mtp_weights
+        if not has_mtp(weights):
+            raise ValueError(
+                f"speculative_config.method: 'mtp' needs a multi-token-prediction head, and {target.loaded.source} "
+                "has none (no mtp.* tensors; Qwen3-Next checkpoints carry one); use 'draft' or 'ngram'"
+            )
+        dtype, device = TORCH_DTYPES[target.config.dtype], target.ops.device
+
+        def get(name: str) -> torch.Tensor | None:
+            t = weights.get(name)
+            return None if t is None else t.to(dtype).contiguous().to(device)
+
+        self.target = target
+        self.head = MtpHead(target.model_config, get, target.loaded.model)
+        runner = target.runner
+        heads, dim = target.loaded.model.kv_shape()
+        self.kv_caches = [target.ops.new_kv_cache(runner.null_slot + 1, heads, dim, target.loaded.model.dtype)]
+
+    @torch.inference_mode()
+    def propose(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> None:
+        out = self._fill(sched, step)
+        if out is None:
+            return
+        hidden, last_row = out
+        work = [(req, self._room(req, k)) for req, k in ready if req.request_id in last_row]
+        rows = [last_row[req.request_id] for req, _ in work]
+        current = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)] if rows else hidden[:0]
+        for round_ in range(max((k for _, k in work), default=0)):
+            logits = self.head.logits(current)
+            drafts = []
+            for i, (req, _) in enumerate(work):
+                pos = req.num_tokens + round_
+                token = sample_row(logits[i], _GREEDY, 0, pos, self.target.row_math).token_id
+                req.spec_token_ids.append(token)
+                drafts.append(token)
+            keep = [i for i, (_, k) in enumerate(work) if round_ + 1 < k]
+            if not keep:
+                break
+            work = [work[i] for i in keep]
+            # the head's next input: the draft just made (at position p + 1) and its own output at p
+            entries = [
+                BatchEntry(req.request_id, [drafts[i]], req.num_tokens - 1 + round_, self._blocks(req))
+                for i, req in ((i, work[j][0]) for j, i in enumerate(keep))
+            ]
+            current = self._run(entries, current[torch.tensor(keep, dtype=torch.long, device=current.device)])
+
+    def _fill(self, sched: SchedulerOutput, step: StepLogits) -> tuple[torch.Tensor, dict[str, int]] | None:
+        """Run the head over every target row of the step whose next token is known (writes its KV)."""
+        if step.hidden is None or step.hidden_rows is None:
+            return None
+        entries, rows = [], []
+        last_row: dict[str, int] = {}
+        for chunk in sched.chunks:
+            req = chunk.request
+            if req.is_finished:
+                continue
+            # position p needs the token at p + 1 and a hidden state computed from kept tokens only
+            end = min(chunk.end + chunk.num_spec, req.num_tokens - 1)
+            if end <= chunk.start:
+                continue
+            row0 = step.hidden_rows[req.request_id]
+            entries.append(
+                BatchEntry(req.request_id, req.all_token_ids[chunk.start + 1 : end + 1], chunk.start, self._blocks(req))
+            )
+            rows.extend(range(row0, row0 + end - chunk.start))
+            if end == req.num_tokens - 1:
+                last_row[req.request_id] = len(rows) - 1
+        if not entries:
+            return None
+        hidden = step.hidden[torch.tensor(rows, dtype=torch.long, device=step.hidden.device)]
+        return self._run(entries, hidden), last_row
+
+    def _run(self, entries: list[BatchEntry], hidden: torch.Tensor) -> torch.Tensor:
+        batch = self.target.runner.make_batch(entries)
+        batch.states = None  # the head has no recurrent layer
+        batch.tracer = None
+        return self.head.forward(batch, hidden, self.kv_caches)
+
+    def _room(self, req: Request, k: int) -> int:
+        """Drafts 2..k write the head's KV past the computed tokens: make sure those slots exist."""
+        need = req.num_tokens + k - 2 - req.num_computed_tokens
+        if k > 1 and need > 0 and self.target.kv.allocate_slots(req, need) is None:
+            return 1
+        return k
+
+    def _blocks(self, req: Request) -> list[int]:
+        return self.target.kv.block_ids(req.request_id)
+
+    def release(self, request_id: str) -> None:
+        return None
