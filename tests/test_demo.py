@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,10 @@ def test_demo_tells_the_story_and_writes_every_report(qwen3_next_tiny: Path, tmp
     assert "history-dep" not in text
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["all_as_predicted"] is True
-    for run_dir in ("legacy-align/shape-dependent", "legacy-align-fixed/shape-dependent", "kvwarden/canonical"):
+    spec_row = r"speculative decoding \(mtp, [1-9]\d* draft tokens scored\) on vs off: .* bitwise identical"
+    assert re.search(spec_row, text)  # the MTP head really drafted, and nothing moved
+    dirs = ("legacy-align/shape-dependent", "legacy-align-fixed/shape-dependent", "kvwarden/canonical")
+    for run_dir in (*dirs, "kvwarden/canonical-spec-off"):
         d = tmp_path / run_dir
         for name in ("records.jsonl", "scenario.json", "summary.json", "report.html"):
             assert (d / name).is_file(), f"{run_dir}/{name}"

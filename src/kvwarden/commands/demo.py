@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     for line in _setup(args, len(a), len(b)):
         console.print(escape(line))
     results: list[tuple[Config, RunResult]] = []
+    drafted: dict[str, int] = {}  # draft tokens the server scored, per configuration
     for i, cfg in enumerate(CONFIGS, start=1):
         settings = ServerSettings(
             block_size=args.block_size,
@@ -129,10 +130,12 @@ def run(args: argparse.Namespace) -> int:
         scenario = build(
             "contamination", settings, tokenizer, shape, args.repeats, max_tokens=args.max_tokens, ignore_eos=True
         )
-        run_dir = out / cfg.chunking / cfg.numerics
+        # the speculation-off row gets its own directory: the runner resumes arms it finds on disk
+        run_dir = out / cfg.chunking / (cfg.numerics if cfg.speculative else f"{cfg.numerics}-spec-off")
         console.print(f"\n[bold][{i}/{len(CONFIGS)}] {escape(cfg.label)}[/bold] -> {run_dir}")
         target = Target(launcher=KvwardenLauncher(), model=model, tokenizer=tokenizer)
         records = run_probe(scenario, target, run_dir)
+        drafted[cfg.label] = sum((r.get("spec_decoding") or {}).get("num_draft_tokens", 0) for r in records)
         result = finish_run(run_dir, scenario, records, cfg.label, "kvwarden", model, plotly_js=js)
         results.append((cfg, result))
         console.print("  " + escape(_arm_line(result)))
@@ -149,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{'as predicted' if c.matches else 'NOT as predicted'}"
             )
     ok = _summary(console, results)
-    ok &= _spec_row(console, results, method)
+    ok &= _spec_row(console, results, method, drafted)
     page = _write_page(out, args, len(a), len(b), results, js)
     (out / "summary.json").write_text(
         json.dumps({cfg.label: r.to_dict() for cfg, r in results} | {"all_as_predicted": ok}, indent=2)
@@ -215,16 +218,18 @@ def _summary(console: Console, results: list[tuple[Config, RunResult]]) -> bool:
     return all_ok
 
 
-def _spec_row(console: Console, results: list[tuple[Config, RunResult]], method: str) -> bool:
+def _spec_row(console: Console, results: list[tuple[Config, RunResult]], method: str, drafted: dict[str, int]) -> bool:
     """kvwarden with speculation on must give B exactly the answer it gives with speculation off."""
-    canonical = [r for cfg, r in results if cfg.chunking == "kvwarden"]
-    if len(canonical) != 2 or any(s.error for r in canonical for s in r.summaries):
+    canonical = [(cfg, r) for cfg, r in results if cfg.chunking == "kvwarden"]
+    if len(canonical) != 2 or any(s.error for _, r in canonical for s in r.summaries):
         return False
-    on, off = ({fp for s in r.summaries for fp in s.fingerprints} for r in canonical)
-    same = on == off and len(on) == 1
+    (on_cfg, on_run), (_, off_run) = canonical
+    on, off = ({fp for s in r.summaries for fp in s.fingerprints} for r in (on_run, off_run))
+    scored = drafted.get(on_cfg.label, 0)
+    same = on == off and len(on) == 1 and scored > 0
     console.print(
-        f"kvwarden, speculative decoding ({method}) on vs off: B's top-20 logprobs "
-        + ("[green]bitwise identical[/green] in every run" if same else "[red]DIFFER[/red]")
+        f"kvwarden, speculative decoding ({method}, {scored} draft tokens scored) on vs off: B's top-20 logprobs "
+        + ("[green]bitwise identical[/green] in every run" if same else "[red]DIFFER or nothing drafted[/red]")
     )
     return same
 

@@ -96,6 +96,8 @@ def response_record(arm: str, attempt: str, step: int, run: int, measured: bool,
         "tops": [[[k, v] for k, v in top] for top in resp.tops],
         "cached_tokens": resp.cached_tokens,
         "prompt_tokens": resp.prompt_tokens,
+        # kvwarden's speculative-decoding totals for the request (None where the server reports none)
+        "spec_decoding": resp.raw_usage.get("spec_decoding"),
         "latency_s": round(resp.latency_s, 4),
     }
 
