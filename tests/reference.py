@@ -13,6 +13,16 @@ from kvwarden import LLM, SamplingParams
 Init = Callable[[str, torch.Tensor, torch.Generator], torch.Tensor]
 
 
+def hybrid_init(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Weights for hybrid checkpoints: A_log keeps decays in a stable range, matrices scaled by fan-in,
+    vectors (norms, biases) near one."""
+    if name.endswith("A_log"):
+        return torch.log(1.0 + 4.0 * torch.rand(p.shape, generator=gen))
+    if p.dim() > 1:
+        return torch.randn(p.shape, generator=gen) * 0.7 / p.shape[-1] ** 0.5
+    return 1.0 + torch.randn(p.shape, generator=gen) * 0.1
+
+
 def save_random_checkpoint(config: object, out: Path, tokenizer_dir: Path, init: Init, seed: int = 1) -> Path:
     """A transformers model of ``config`` with weights from ``init(name, param, generator)``,
     saved with ``save_pretrained`` beside our tokenizer files."""

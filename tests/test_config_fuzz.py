@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from kvwarden import LLM
-from reference import assert_agrees, save_random_checkpoint
+from reference import assert_agrees, hybrid_init, save_random_checkpoint
 
 FUZZ = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 ROPE = [
@@ -39,14 +39,6 @@ ROPE = [
     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
     {"rope_type": "dynamic", "factor": 2.0},  # length-dependent: must be refused at load
 ]  # fmt: skip
-
-
-def _init(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    if name.endswith("A_log"):
-        return torch.log(1.0 + 4.0 * torch.rand(p.shape, generator=gen))
-    if p.dim() > 1:
-        return torch.randn(p.shape, generator=gen) * 0.7 / p.shape[-1] ** 0.5
-    return 1.0 + torch.randn(p.shape, generator=gen) * 0.1
 
 
 @st.composite
@@ -148,7 +140,7 @@ def _check(tmp_path: Path, tokenizer_dir: Path, family: str, fields: dict[str, A
     out = tmp_path / tag
     try:
         config = _build(family, fields)
-        save_random_checkpoint(config, out, tokenizer_dir, _init)
+        save_random_checkpoint(config, out, tokenizer_dir, hybrid_init)
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -190,7 +182,7 @@ def test_odd_partial_rotary_matches_transformers(tmp_path: Path, llama_tiny: Pat
         "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
         "shared_expert_intermediate_size": 32, "full_attention_interval": 2, "max_position_embeddings": 1024,
     }  # fmt: skip
-    out = save_random_checkpoint(_build("qwen3_next", fields), tmp_path / "odd", llama_tiny, _init)
+    out = save_random_checkpoint(_build("qwen3_next", fields), tmp_path / "odd", llama_tiny, hybrid_init)
     llm = LLM(str(out))
     assert llm.engine.loaded.model.layers[1].mixer.rope.rotary_dim == 6
     prompt = torch.randint(3, 1000, (41,), generator=torch.Generator().manual_seed(9)).tolist()

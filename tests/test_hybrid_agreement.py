@@ -14,7 +14,7 @@ import torch
 
 from kvwarden import LLM
 from kvwarden.models.make_model import make_model
-from reference import assert_agrees, save_random_checkpoint
+from reference import assert_agrees, hybrid_init, save_random_checkpoint
 
 QWEN3_NEXT_BASE: dict[str, Any] = {
     "vocab_size": 1024,
@@ -76,14 +76,6 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _init(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    if name.endswith("A_log"):
-        return torch.log(1.0 + 4.0 * torch.rand(p.shape, generator=gen))
-    if p.dim() > 1:
-        return torch.randn(p.shape, generator=gen) * 0.7 / p.shape[-1] ** 0.5
-    return 1.0 + torch.randn(p.shape, generator=gen) * 0.1
-
-
 def _checkpoint(tmp_path: Path, tokenizer_dir: Path, family: str, overrides: dict[str, Any]) -> Path:
     from transformers import GraniteMoeHybridConfig, Qwen3NextConfig
 
@@ -91,7 +83,7 @@ def _checkpoint(tmp_path: Path, tokenizer_dir: Path, family: str, overrides: dic
         cfg = Qwen3NextConfig(**{**QWEN3_NEXT_BASE, **overrides})
     else:
         cfg = GraniteMoeHybridConfig(**{**GRANITE_BASE, **overrides})
-    return save_random_checkpoint(cfg, tmp_path / "ckpt", tokenizer_dir, _init)
+    return save_random_checkpoint(cfg, tmp_path / "ckpt", tokenizer_dir, hybrid_init)
 
 
 def _compare(model_dir: Path, prompt: list[int]) -> None:

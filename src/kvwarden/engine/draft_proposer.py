@@ -94,14 +94,13 @@ class DraftModelProposer:
                 cache_salt=req.cache_salt,
                 status=Status.RUNNING,
             )
-            hits, num_hit = kv.get_computed_blocks(shadow)
-            need = shadow.num_tokens - num_hit + k - 1
-            if kv.allocate_slots(shadow, need, hits) is None:
-                self._evict(live)
+            for attempt in range(2):  # a full draft pool: drop the shadows of idle requests, try once more
                 hits, num_hit = kv.get_computed_blocks(shadow)
-                need = shadow.num_tokens - num_hit + k - 1
-                if kv.allocate_slots(shadow, need, hits) is None:
+                if kv.allocate_slots(shadow, shadow.num_tokens - num_hit + k - 1, hits) is not None:
+                    break
+                if attempt:
                     return None
+                self._evict(live)
             shadow.num_computed_tokens = num_hit
             self.shadows[rid] = shadow
             return shadow
