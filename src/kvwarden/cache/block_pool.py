@@ -108,6 +108,10 @@ class BlockPool:
         block.token_ids = token_ids
         self._cached[block_hash] = block.block_id
 
+    def forget(self, block: Block) -> None:
+        """Drop a block's cache entry now (its contents must never be hit again)."""
+        self._evict(block)
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block.block_id:

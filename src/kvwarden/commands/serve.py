@@ -13,8 +13,12 @@ import logging
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from kvwarden.commands.engine_args import add_engine_args
+
+if TYPE_CHECKING:
+    import uvicorn
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -42,7 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="TESTING ONLY: inject a fault (engine-crash-after-steps=N); shown in /health",
+        help=(
+            "TESTING ONLY, breaks the engine on purpose: kv-corruption=RATE (share of requests whose KV is "
+            "overwritten with noise after prefill), repetition=RATE (share forced into a loop), fault-seed=N, "
+            "engine-crash-after-steps=N; repeatable; shown in /health"
+        ),
     )
     p.add_argument(
         "--log-level",
@@ -56,7 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, or ``OSError`` (port in use, address not available)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: proto must say TCP: asyncio sets TCP_NODELAY on accepted connections only when it does, and
+    # without it every response written in two parts waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -69,7 +79,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwarden.server.faults import Faults
+    from kvwarden.engine.faults import Faults
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -126,12 +136,18 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     host, port = sock.getsockname()[:2]
     print(f"kvwarden serve: {name} listening on http://{host}:{port}", flush=True)
 
+    return run_until_stopped(server, sock, "kvwarden serve: ready")
+
+
+def run_until_stopped(server: uvicorn.Server, sock: socket.socket, ready_line: str) -> int:
+    """Serve on ``sock``, print ``ready_line`` once accepting, return 0 after a clean SIGTERM (1 if never up)."""
+
     async def serve() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            print("kvwarden serve: ready", flush=True)
+            print(ready_line, flush=True)
         await task
 
     # uvicorn handles SIGTERM while serving (stop accepting, drain, lifespan shutdown) and then re-raises

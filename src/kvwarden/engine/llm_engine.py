@@ -32,6 +32,7 @@ from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
 
 if TYPE_CHECKING:
+    from kvwarden.engine.faults import FaultInjector
     from kvwarden.engine.speculator import Speculator
 
 Prompt = str | list[int]
@@ -84,6 +85,8 @@ class LLMEngine:
 
             self.speculator = _Speculator(self.spec, self)
         self.requests: dict[str, Request] = {}
+        # Testing only (``kvwarden serve --inject-fault``): breaks invariance on purpose when set.
+        self.faults: FaultInjector | None = None
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -165,6 +168,8 @@ class LLMEngine:
         self.requests[request_id] = req
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         self.scheduler.add(req)
+        if self.faults is not None:
+            self.faults.on_add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -194,6 +199,8 @@ class LLMEngine:
         self._record_prompt_scores(sched, step_logits)
         ready = []
         for chunk in completed:
+            if self.faults is not None:
+                self._inject(chunk.request)
             out = self._sample(chunk, step_logits)
             outputs.append(out)
             if not out.finished:
@@ -207,6 +214,8 @@ class LLMEngine:
         rows = step.logits[step.sample_rows[req.request_id]]
         drafts = req.spec_token_ids[: chunk.num_spec]
         acceptance = self.spec.acceptance if self.spec is not None else "match"
+        if self.faults is not None:
+            rows = self.faults.bias(req, rows, drafts)
         # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
         samples, accepted = verify(rows, drafts, req.params, req.seed, req.num_tokens, self.row_math, acceptance)
         if len(req.output_token_ids) == 0:
@@ -227,6 +236,14 @@ class LLMEngine:
         if reason is not None:
             return self._finish(req, reason)
         return RequestOutput.of(req, self._prompts.get(req.request_id))
+
+    def _inject(self, req: Request) -> None:
+        """Testing only: let the fault injector corrupt a request's KV after its prefill."""
+        assert self.faults is not None
+        blocks = self.kv.req_blocks.get(req.request_id, [])
+        block_size = self.config.cache.block_size
+        for block in self.faults.after_prefill(req, blocks, self.runner.kv_caches, block_size):
+            self.pool.forget(block)
 
     def _record_prompt_scores(self, sched: SchedulerOutput, step: StepLogits) -> None:
         for chunk in sched.chunks:
@@ -261,6 +278,8 @@ class LLMEngine:
         req.spec_token_ids = []
         if self.speculator is not None:
             self.speculator.release(req.request_id)
+        if self.faults is not None:
+            self.faults.release(req.request_id)
         return out
 
     # -------------------------------------------------------------- inspection

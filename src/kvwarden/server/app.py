@@ -182,6 +182,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
         body: dict[str, Any] = {"status": "ok"}
         if engine.faults.any:
             body["injected_faults"] = engine.faults.describe()  # testing only: never a healthy production server
+            injector = engine.engine.faults
+            if injector is not None:  # read without the engine lock: two ints, a snapshot is all /health needs
+                body["faulted_requests"] = {"kv-corruption": injector.num_corrupted, "repetition": injector.num_looped}
         return JSONResponse(body)
 
     @app.get("/metrics")

@@ -17,10 +17,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvwarden.engine.faults import FaultInjector, Faults
 from kvwarden.engine.llm_engine import LLMEngine
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.server.faults import Faults
 from kvwarden.server.metrics import Metrics
 
 
@@ -69,6 +69,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
         self.faults = faults or Faults()
+        if self.faults.touches_requests:
+            engine.faults = FaultInjector(self.faults)
         self._inbox: queue.SimpleQueue[_Add | tuple[str, str]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}

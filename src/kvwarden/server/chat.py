@@ -23,7 +23,8 @@ from kvwarden.server.formatting import (
     with_spec,
 )
 from kvwarden.server.protocol import ApiError, ChatCompletionRequest
-from kvwarden.server.streams import EventStream, Job, choice_deltas, collect, until_disconnected
+from kvwarden.server.sse import EventStream, until_disconnected
+from kvwarden.server.streams import Job, choice_deltas, collect
 
 
 class ChatCompletions:

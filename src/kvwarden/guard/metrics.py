@@ -1,0 +1,76 @@
+"""The guard's Prometheus metrics (``kvwarden_guard:*``), one registry per guard."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvwarden.guard.backends import BackendPool
+
+# The guard's own cost is in milliseconds; whole requests take seconds.
+ADDED_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _BackendCollector(Collector):
+    def __init__(self, pool: BackendPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Any]:
+        gauges = {
+            "backend_up": ("1 if the backend answers (health checks and requests)", lambda b: b.up),
+            "backend_drifting": (
+                "1 if the determinism canary saw the backend's fingerprint change",
+                lambda b: b.drifting,
+            ),
+            "backend_drained": ("1 if the backend gets no new requests", lambda b: b.drained),
+            "backend_outstanding_requests": ("Requests in flight at the backend", lambda b: b.outstanding),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"kvwarden_guard:{name}", doc, labels=["backend"])
+            for backend in self.pool.backends:
+                family.add_metric([backend.url], float(value(backend)))
+            yield family
+
+
+class GuardMetrics:
+    """Everything the guard's ``/metrics`` exports."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_BackendCollector(pool))
+        self.requests = Counter(
+            "kvwarden_guard:requests", "Attempts sent to a backend", ["backend"], registry=self.registry
+        )
+        self.aborts = Counter(
+            "kvwarden_guard:aborts", "Generations stopped by a monitor", ["reason"], registry=self.registry
+        )
+        self.retries = Counter("kvwarden_guard:retries", "Attempts after the first", registry=self.registry)
+        self.failures = Counter(
+            "kvwarden_guard:backend_failures", "Attempts lost to a failing backend", ["backend"], registry=self.registry
+        )
+        self.answers = Counter(
+            "kvwarden_guard:answers", "Requests answered, by outcome", ["outcome"], registry=self.registry
+        )
+        self.canary_runs = Counter(
+            "kvwarden_guard:canary_runs", "Determinism canary replays", ["backend", "result"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "kvwarden_guard:request_latency_seconds",
+            "Whole request through the guard",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.added = Histogram(
+            "kvwarden_guard:added_latency_seconds",
+            "Time the guard itself spent on a request (everything but waiting for the backend)",
+            buckets=ADDED_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,313 @@
+"""One client request through the guard: attempts on backends, monitors, the hold-back window.
+
+The life of a request: :meth:`Relay.start` sends it to the least-loaded
+backend (always streaming) and reads chunks, running the monitors on each,
+until the hold-back window has passed (streaming clients) or the generation is
+complete (non-streaming clients). If a monitor fires or the backend fails
+inside that window, the attempt is closed (closing the connection makes the
+backend abort the request and free its KV) and the request goes to another
+backend, at most ``max_retries`` times; nothing has reached the client, so the
+retry is invisible. After the window, :meth:`Relay.events` passes chunks on as
+they come; a monitor firing then ends the stream with ``finish_reason:
+"guard_abort"`` and an error event: never a silent splice of two generations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvwarden.guard.backends import Backend, BackendPool
+from kvwarden.guard.chunks import (
+    Kind,
+    Upstream,
+    abort_chunks,
+    error_event,
+    for_client,
+    observe,
+    prepare,
+    sse_events,
+)
+from kvwarden.guard.config import GuardConfig
+from kvwarden.guard.metrics import GuardMetrics
+from kvwarden.guard.monitors import ChoiceWatch, Verdict, check
+from kvwarden.server.protocol import ApiError
+
+log = logging.getLogger("kvwarden.guard")
+
+
+class Passthrough(Exception):
+    """The backend refused the request itself (4xx): the client gets that answer unchanged."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+
+
+class _Failed(Exception):
+    """The backend failed this attempt (connection, 5xx, silence, an error event)."""
+
+    def __init__(self, why: str, take_out: bool = True) -> None:
+        super().__init__(why)
+        self.take_out = take_out
+
+
+class _Stopped(Exception):
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.detail)
+        self.verdict = verdict
+
+
+@dataclass
+class Guard:
+    """What every request shares: configuration, the pooled HTTP client, backends, metrics."""
+
+    config: GuardConfig
+    client: httpx.AsyncClient
+    pool: BackendPool
+    metrics: GuardMetrics
+
+
+@dataclass
+class _Attempt:
+    backend: Backend
+    response: httpx.Response
+    lines: AsyncIterator[str]
+    watches: dict[int, ChoiceWatch] = field(default_factory=dict)
+    held: list[dict[str, Any]] = field(default_factory=list)
+    done: bool = False
+    closed: bool = False
+
+
+class Relay:
+    """Runs one request; ``start`` then ``events`` (streaming) or ``result`` (not), then ``aclose``."""
+
+    def __init__(self, guard: Guard, body: dict[str, Any], kind: Kind, path: str) -> None:
+        self.guard = guard
+        self.kind = kind
+        self.path = path
+        cfg = guard.config.monitors
+        self.upstream: Upstream = prepare(body, kind, want_logprobs=cfg.garbage.enabled or cfg.repetition.enabled)
+        n = body.get("n", 1)
+        self.num_choices = n if isinstance(n, int) and n > 0 else 1
+        self.attempt: _Attempt | None = None
+        self.closed = False
+        self.num_attempts = 0
+        self.started = time.perf_counter()
+        self.upstream_wait = 0.0  # seconds spent waiting on backends (the rest is the guard's own time)
+        self.history: list[str] = []  # "backend: outcome" per attempt, for the log line
+
+    # ---------------------------------------------------------------- attempts
+    async def start(self) -> None:
+        """Attempt until one passes the hold-back window (or completes).
+
+        Raises:
+            ApiError: 502 once every attempt was stopped or failed; 503 when no backend is up.
+            Passthrough: the backend refused the request (the client's error).
+        """
+        tried: set[str] = set()
+        last, code = "no attempt", "no_attempt"
+        while self.num_attempts <= self.guard.config.max_retries:
+            backend = self.guard.pool.pick(tried)
+            if backend is None:
+                raise ApiError(503, f"no backend is up (last error: {last})", None, "no_backend_available")
+            if self.num_attempts:
+                self.guard.metrics.retries.inc()
+            self.num_attempts += 1
+            tried.add(backend.url)
+            try:
+                self.attempt = await self._open(backend)
+                await self._fill(self.attempt)
+                self.history.append(f"{backend.url}: ok")
+                return
+            except _Stopped as stop:
+                self.guard.metrics.aborts.labels(reason=stop.verdict.reason).inc()
+                last = f"{backend.url}: {stop.verdict.reason}: {stop.verdict.detail}"
+                code = stop.verdict.reason
+                self.history.append(f"{backend.url}: {code}")
+            except _Failed as failure:
+                self.guard.metrics.failures.labels(backend=backend.url).inc()
+                if failure.take_out:
+                    self.guard.pool.mark_failed(backend, str(failure))
+                last = f"{backend.url}: {failure}"
+                code = "backend_failed"
+                self.history.append(f"{backend.url}: failed")
+            await self._close()
+        raise ApiError(
+            502,
+            f"kvwarden guard: no acceptable answer after {self.num_attempts} attempt(s); last: {last}",
+            None,
+            code,
+            "guard_abort",
+        )
+
+    async def _open(self, backend: Backend) -> _Attempt:
+        cfg = self.guard.config
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        request = self.guard.client.build_request(
+            "POST", f"{backend.url}{self.path}", json=self.upstream.body, headers=headers
+        )
+        self.guard.metrics.requests.labels(backend=backend.url).inc()
+        backend.outstanding += 1
+        t0 = time.perf_counter()
+        try:
+            response = await self.guard.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            backend.outstanding -= 1
+            raise _Failed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self.upstream_wait += time.perf_counter() - t0
+        if response.status_code != 200:
+            body = await response.aread()
+            await response.aclose()
+            backend.outstanding -= 1
+            if response.status_code in (429, 503):  # busy, not broken: try elsewhere, keep it in
+                raise _Failed(f"busy (HTTP {response.status_code})", take_out=False)
+            if response.status_code >= 500:
+                raise _Failed(f"HTTP {response.status_code}: {body[:200]!r}")
+            try:
+                payload = response.json()
+            except ValueError:
+                payload = {"error": {"message": body.decode(errors="replace"), "type": "upstream_error"}}
+            raise Passthrough(response.status_code, payload)
+        return _Attempt(backend, response, response.aiter_lines())
+
+    async def _next(self, attempt: _Attempt) -> dict[str, Any] | None:
+        """The next chunk, or ``None`` at the end of the stream."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    line = await anext(attempt.lines)
+                except StopAsyncIteration:
+                    return None
+                event = sse_events(line)
+                if event == "[DONE]":
+                    return None
+                if isinstance(event, dict):
+                    return event
+        except httpx.HTTPError as exc:
+            raise _Failed(f"stream broke: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.upstream_wait += time.perf_counter() - t0
+
+    def _verdict(self, attempt: _Attempt) -> Verdict | None:
+        for index in sorted(attempt.watches):
+            verdict = check(attempt.watches[index], self.guard.config.monitors)
+            if verdict is not None:
+                return verdict
+        return None
+
+    def _window_passed(self, attempt: _Attempt) -> bool:
+        if not self.upstream.client_streams:
+            return False  # the client waits for the whole answer: the window is all of it
+        # NOTE: released on the token *after* the window, the first one the monitors' "more than N" rules judge.
+        hold = self.guard.config.hold_back
+        watches = attempt.watches.values()
+        return len(attempt.watches) >= self.num_choices and all(w.finished or w.num_tokens > hold for w in watches)
+
+    async def _fill(self, attempt: _Attempt) -> None:
+        """Read and hold chunks until the window passes or the stream ends; monitors run on each."""
+        while True:
+            chunk = await self._next(attempt)
+            if chunk is None:
+                attempt.done = True
+                return
+            if "error" in chunk:
+                raise _Failed(f"error event: {str(chunk['error'])[:200]}")
+            observe(chunk, attempt.watches, self.kind)
+            attempt.held.append(chunk)
+            verdict = self._verdict(attempt)
+            if verdict is not None:
+                raise _Stopped(verdict)
+            if self._window_passed(attempt):
+                return
+
+    async def _close(self) -> None:
+        attempt = self.attempt
+        if attempt is None or attempt.closed:
+            return
+        attempt.closed = True
+        attempt.backend.outstanding -= 1
+        # Closing mid-stream drops the connection: the backend sees the client gone and frees the KV.
+        with contextlib.suppress(httpx.HTTPError):
+            await attempt.response.aclose()
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self._close()
+        elapsed = time.perf_counter() - self.started
+        log.info(
+            "%s %s: %s (%.3f s)",
+            self.path,
+            "stream" if self.upstream.client_streams else "json",
+            "; ".join(self.history) or "no attempt",
+            elapsed,
+        )
+        self.guard.metrics.latency.observe(elapsed)
+        self.guard.metrics.added.observe(max(0.0, elapsed - self.upstream_wait))
+
+    # ---------------------------------------------------------------- answers
+    def result(self) -> dict[str, Any]:
+        """The non-streaming answer (after :meth:`start`)."""
+        from kvwarden.guard.assemble import assemble
+
+        assert self.attempt is not None and self.attempt.done
+        body = assemble(self.attempt.held, self.kind)
+        if self.upstream.added_logprobs:
+            for choice in body["choices"]:
+                choice["logprobs"] = None
+        return body
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The streaming answer's chunks (after :meth:`start`): the held ones, then live ones."""
+        attempt = self.attempt
+        assert attempt is not None
+        for chunk in attempt.held:
+            out = for_client(chunk, self.upstream)
+            if out is not None:
+                yield out
+        head = attempt.held[0] if attempt.held else {}
+        attempt.held = []
+        while not attempt.done:
+            try:
+                chunk = await self._next(attempt)
+            except _Failed as failure:
+                self.guard.metrics.failures.labels(backend=attempt.backend.url).inc()
+                self.guard.pool.mark_failed(attempt.backend, str(failure))
+                self.history.append(f"{attempt.backend.url}: failed after the window")
+                yield error_event(f"the backend failed mid-stream: {failure}", "backend_failed")
+                return
+            if chunk is None:
+                attempt.done = True
+                return
+            if "error" in chunk:
+                yield chunk  # the backend's own error event, as it sent it
+                return
+            observe(chunk, attempt.watches, self.kind)
+            out = for_client(chunk, self.upstream)
+            if out is not None:
+                yield out
+            verdict = self._verdict(attempt)
+            if verdict is not None:
+                self.guard.metrics.aborts.labels(reason=verdict.reason).inc()
+                await self._close()
+                for chunk in abort_chunks(head, self.kind, attempt.watches):
+                    yield chunk
+                n = max(w.num_tokens for w in attempt.watches.values())
+                message = (
+                    f"kvwarden guard stopped this generation after {n} tokens ({verdict.reason}: {verdict.detail}); "
+                    "the text streamed so far is incomplete and should not be used"
+                )
+                self.history.append(f"{attempt.backend.url}: {verdict.reason} after the window")
+                yield error_event(message, verdict.reason)
+                return
