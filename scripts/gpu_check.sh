@@ -7,14 +7,15 @@
 #   scripts/gpu_check.sh full         # tests; matrix, agreement and throughput on the 0.6b presets (~15 min)
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
+#   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
 #
-# Stages: tests, matrix, agreement, throughput, spec (throughput and spec in full mode only). Logs and JSON results go
+# Stages: tests, matrix, agreement, throughput, spec, hosttier (throughput and spec in full mode only). Logs and JSON results go
 # to $OUT (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-quick}
 shift || true
-STAGES=" ${*:-tests matrix agreement throughput spec} "
+STAGES=" ${*:-tests matrix agreement throughput spec hosttier} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -86,6 +87,24 @@ if [ "$MODE" = full ] && want spec; then
     --model builtin:qwen3_next-0.6b --ks 2,4 --batches 1,16 --max-tokens 32 --repeats 1 2>&1 | tee "$OUT/spec.log" | tail -n 30
   tail -n 1 "$OUT/spec.log" > "$OUT/spec.json"
   record "spec: output equal to speculation off" "$(python3 -c "import json; print(all(r['identical_to_off'] for r in json.load(open('$OUT/spec.json'))['rows']))" 2>&1 | tail -n 1)"
+fi
+
+if want hosttier; then
+  stage "host tier on the GPU: invariance (k) and the re-created race (pinned memory, a copy stream)"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_host_tier.py -k "not probe and not server" \
+    2>&1 | tee "$OUT/host_tier_tests.log" | tail -n 15
+  record "host tier tests on the GPU" "$(tail -n 1 "$OUT/host_tier_tests.log")"
+  if [ "$MODE" = full ]; then
+    HT=(--model builtin:qwen3-0.6b --prefixes 4096,16384,32768 --turn-pool-tokens 16384 --turn-tokens 512)
+  else
+    HT=(--model builtin:llama-small --prefixes 1024,3584 --turn-pool-tokens 2048)
+  fi
+  stage "host tier: TTFT by tier and a multi-turn workload 4x the device pool (bfloat16; ${HT[*]})"
+  timeout 420 python3 bench/host_tier.py --device cuda --dtype bfloat16 --budget 8192 "${HT[@]}" --repeats 2 \
+    2>&1 | tee "$OUT/host_tier.log" | tail -n 24
+  tail -n 1 "$OUT/host_tier.log" > "$OUT/host_tier.json"
+  record "host tier TTFT s (prefix: recompute/device/host)" "$(python3 -c "import json; print({r['prefix']: (round(r['recompute_s'], 3), round(r['device_s'], 3), round(r['host_s'], 3)) for r in json.load(open('$OUT/host_tier.json'))['ttft']})" 2>&1 | tail -n 1)"
+  record "host tier multi-turn turns/s (off, on)" "$(python3 -c "import json; print([round(r['turns_per_s'], 2) for r in json.load(open('$OUT/host_tier.json'))['multi_turn']])" 2>&1 | tail -n 1)"
 fi
 
 echo

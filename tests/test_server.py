@@ -202,7 +202,8 @@ def test_metrics_expose_cache_queue_and_latency(server: Server, client: openai.O
     m = server.metrics()
     for name in (
         "kvwarden:prefix_cache_queries_total",
-        "kvwarden:prefix_cache_hits_total",
+        'kvwarden:prefix_cache_hits_total{tier="device"}',
+        'kvwarden:prefix_cache_hits_total{tier="host"}',
         "kvwarden:prompt_tokens_total",
         "kvwarden:generation_tokens_total",
         "kvwarden:num_requests_running",
@@ -213,8 +214,9 @@ def test_metrics_expose_cache_queue_and_latency(server: Server, client: openai.O
         "kvwarden:inter_token_latency_seconds_count",
     ):
         assert name in m, name
-    assert m["kvwarden:prefix_cache_hits_total"] > 0
-    assert m["kvwarden:prefix_cache_queries_total"] >= m["kvwarden:prefix_cache_hits_total"]
+    hits = m['kvwarden:prefix_cache_hits_total{tier="device"}']
+    assert hits > 0 and m['kvwarden:prefix_cache_hits_total{tier="host"}'] == 0  # no host tier configured
+    assert m["kvwarden:prefix_cache_queries_total"] >= hits
     assert m["kvwarden:time_to_first_token_seconds_count"] > 0
 
 

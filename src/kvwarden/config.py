@@ -84,6 +84,11 @@ class CacheConfig:
             engine may use in all (weights, activations, KV pool); the KV pool
             (and recurrent-state pool) gets what is left, as in vLLM. Ignored
             when ``num_blocks`` is given, and on the CPU (``memory_bytes``).
+        host_cache_bytes: the host tier: blocks evicted from the device pool
+            are written back to this much host memory (pinned on a GPU) and
+            loaded back layer by layer on a prefix hit; 0 turns it off.
+        unsafe_host_load: testing only: read host-loaded blocks without waiting
+            for their copy (the race of engines that forgot the wait).
     """
 
     block_size: int = 16
@@ -91,8 +96,12 @@ class CacheConfig:
     memory_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    host_cache_bytes: int = 0
+    unsafe_host_load: bool = False
 
     def __post_init__(self) -> None:
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -44,6 +44,11 @@ class LLM:
             ``num_blocks`` overrides it; on the CPU ``kv_cache_memory`` applies.
         kernels: ``"auto"``, or ``"triton"`` to run the GPU kernels on the CPU
             under Triton's interpreter (``TRITON_INTERPRET=1``; slow, for tests).
+        host_cache_bytes: the host tier (0 = off): blocks evicted from the device
+            pool are written back to this much host memory (pinned on a GPU) and
+            loaded back layer by layer on a prefix hit, with the same logits.
+        unsafe_host_load: testing only: read host-loaded blocks without waiting
+            for their copy (re-creates a known race; changes the logits).
     """
 
     def __init__(
@@ -64,6 +69,8 @@ class LLM:
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
         kernels: str = "auto",
+        host_cache_bytes: int = 0,
+        unsafe_host_load: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -77,6 +84,8 @@ class LLM:
                 memory_bytes=kv_cache_memory,
                 enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=gpu_memory_utilization,
+                host_cache_bytes=host_cache_bytes,
+                unsafe_host_load=unsafe_host_load,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

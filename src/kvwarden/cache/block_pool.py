@@ -42,6 +42,8 @@ class BlockPool:
         self.evictions = 0
         # Called with the hash of every cache entry that disappears (hybrid state snapshots follow).
         self.on_evict: Callable[[bytes], None] | None = None
+        # Called with a cached block about to be handed to a new owner (the host tier writes it back).
+        self.on_reuse: Callable[[Block], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +79,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self.evictions += 1
+                if self.on_reuse is not None and self._cached.get(block.block_hash) == block.block_id:
+                    self.on_reuse(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

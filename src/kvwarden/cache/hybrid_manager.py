@@ -10,10 +10,15 @@ them, only for blocks whose KV is published too.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvwarden.cache.block_pool import Block, BlockPool
 from kvwarden.cache.hashing import extend_hashes
 from kvwarden.cache.kv_cache_manager import CacheView, KVCacheManager
 from kvwarden.cache.state_pool import StatePool
+
+if TYPE_CHECKING:
+    from kvwarden.cache.host_tier import HostHit, HostTier
 
 
 class HybridCacheManager:
@@ -45,21 +50,28 @@ class HybridCacheManager:
     def req_blocks(self) -> dict[str, list[Block]]:
         return self.kv.req_blocks
 
+    def attach_host(self, host: HostTier) -> None:
+        self.kv.attach_host(host)
+
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.kv.record_query(num_tokens, num_hit_tokens)
 
-    def get_computed_blocks(self, req: CacheView) -> tuple[list[Block], int]:
-        """KV hit, cut back to the last block whose end boundary has a cached state."""
+    def get_computed_blocks(self, req: CacheView) -> tuple[list[Block | HostHit], int]:
+        """KV hit, cut back to the last block whose end boundary has a cached state (either tier)."""
         hits, _ = self.kv.get_computed_blocks(req)
-        while hits and not self.states.has_snapshot(req.block_hashes[len(hits) - 1]):
+        while hits and not self._has_state(req.block_hashes[len(hits) - 1]):
             hits.pop()
         return hits, len(hits) * self.block_size
 
+    def _has_state(self, block_hash: bytes) -> bool:
+        host = self.kv.host
+        return self.states.has_snapshot(block_hash) or (host is not None and host.has_state(block_hash))
+
     def allocate_slots(
-        self, req: CacheView, num_new_tokens: int, new_computed_blocks: list[Block] | None = None
+        self, req: CacheView, num_new_tokens: int, new_computed_blocks: list[Block | HostHit] | None = None
     ) -> list[Block] | None:
         """KV slots plus a working state slot (zeroed, or restored from the hit boundary)."""
         rid = req.request_id
@@ -72,7 +84,12 @@ class HybridCacheManager:
         if fresh:
             self.states.allocate_working(rid)
             if new_computed_blocks:
-                self.states.restore(rid, req.block_hashes[len(new_computed_blocks) - 1])
+                boundary = req.block_hashes[len(new_computed_blocks) - 1]
+                if self.states.has_snapshot(boundary):
+                    self.states.restore(rid, boundary)
+                else:
+                    assert self.kv.host is not None
+                    self.kv.host.restore_state(rid, boundary)
         return new
 
     def cache_computed_blocks(self, req: CacheView) -> None:

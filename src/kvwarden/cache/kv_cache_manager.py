@@ -9,9 +9,13 @@ step's KV is written, so a block is published only after it holds real data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvwarden.cache.block_pool import Block, BlockPool
 from kvwarden.cache.hashing import extend_hashes
+
+if TYPE_CHECKING:
+    from kvwarden.cache.host_tier import HostHit, HostTier
 
 
 @dataclass
@@ -46,12 +50,18 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}
         self.query_tokens = 0  # prefix-cache statistics, in tokens
         self.hit_tokens = 0
+        self.host: HostTier | None = None  # the host tier, when there is one
+
+    def attach_host(self, host: HostTier) -> None:
+        """Extend lookups to the host tier and write evicted blocks back to it."""
+        self.host = host
+        self.pool.on_reuse = host.write_back
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
-    def get_computed_blocks(self, req: CacheView) -> tuple[list[Block], int]:
-        """Longest cached prefix of the request, in full blocks.
+    def get_computed_blocks(self, req: CacheView) -> tuple[list[Block | HostHit], int]:
+        """Longest cached prefix of the request, in full blocks: device hits, then host-tier hits.
 
         At least one token is always left to compute: the step that computes it
         produces the logits the next token is sampled from.
@@ -61,13 +71,15 @@ class KVCacheManager:
             return [], 0
         extend_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
         max_blocks = (num_tokens - 1) // self.block_size
-        hits: list[Block] = []
+        hits: list[Block | HostHit] = []
         for i, block_hash in enumerate(req.block_hashes[:max_blocks]):
             tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block = self.pool.lookup(block_hash, tokens)
-            if block is None:
+            hit = self.pool.lookup(block_hash, tokens)
+            if hit is None and self.host is not None:
+                hit = self.host.lookup(block_hash, tokens)
+            if hit is None:
                 break
-            hits.append(block)
+            hits.append(hit)
         return hits, len(hits) * self.block_size
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -76,32 +88,41 @@ class KVCacheManager:
         self.hit_tokens += num_hit_tokens
 
     def allocate_slots(
-        self, req: CacheView, num_new_tokens: int, new_computed_blocks: list[Block] | None = None
+        self, req: CacheView, num_new_tokens: int, new_computed_blocks: list[Block | HostHit] | None = None
     ) -> list[Block] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         Args:
             req: the request.
             num_new_tokens: tokens to compute this step.
-            new_computed_blocks: prefix-hit blocks from :meth:`get_computed_blocks`
-                (first scheduling only); they are referenced here.
+            new_computed_blocks: prefix hits from :meth:`get_computed_blocks`
+                (first scheduling only); device blocks are referenced here, host
+                hits get fresh device blocks and their loads are queued.
 
         Returns:
             The newly allocated blocks, or ``None`` if the pool cannot provide them
             (nothing is changed then).
         """
         hits = new_computed_blocks or []
+        device = [b for b in hits if isinstance(b, Block)]
+        remote = [h for h in hits if not isinstance(h, Block)]  # device hits always come first
         held = self.req_blocks.get(req.request_id, [])
         total_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        needed = -(-total_tokens // self.block_size) - len(held) - len(hits)
-        revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits that sit in the free queue
+        needed = -(-total_tokens // self.block_size) - len(held) - len(device)
+        revived = sum(1 for b in device if b.ref_cnt == 0)  # hits that sit in the free queue
         if needed > self.pool.num_free_blocks - revived:
             return None
-        self.pool.touch(hits)
+        self.pool.touch(device)
+        if remote:
+            assert self.host is not None
+            self.host.pin(remote)  # before allocating: write-backs of evicted blocks may evict host slots
         new = self.pool.allocate(max(needed, 0))
-        self.req_blocks.setdefault(req.request_id, []).extend([*hits, *new])
+        if remote:
+            self.host.load(remote, new[: len(remote)])  # type: ignore[union-attr]
+        self.req_blocks.setdefault(req.request_id, []).extend([*device, *new])
         if hits:
-            self._num_cached[req.request_id] = len(hits) + len(held)
+            # Loaded blocks are published like computed ones, after the step that waited for them.
+            self._num_cached[req.request_id] = len(device) + len(held)
         return new
 
     def cache_computed_blocks(self, req: CacheView) -> None:

@@ -141,6 +141,20 @@ class StatePool:
             self.ssm[layer][slot].copy_(self.snap_ssm[layer][src])
             self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
 
+    def snapshot_to_host(self, block_hash: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A host copy of a boundary snapshot (the host tier keeps it with its block)."""
+        src = self._snapshot_of[block_hash]
+        pairs = zip(self.snap_conv, self.snap_ssm, strict=True)
+        return [(conv[src].cpu().clone(), ssm[src].cpu().clone()) for conv, ssm in pairs]
+
+    def restore_from(self, request_id: str, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Load a host-tier boundary state into the request's working slot."""
+        slot = self.working[request_id]
+        for layer, (conv, ssm) in enumerate(layers):
+            self.conv[layer][slot].copy_(conv)
+            self.ssm[layer][slot].copy_(ssm)
+            self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
+
     def stage(self, request_id: str, pos: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Remember a boundary state computed this step (committed after the step)."""
         per_pos = self._staged.setdefault(request_id, {})

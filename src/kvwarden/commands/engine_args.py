@@ -28,6 +28,18 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--kv-cache-mib", type=_positive, default=512, help="KV cache memory when --num-blocks is not given")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached blocks across requests")
     p.add_argument(
+        "--host-cache-bytes",
+        type=_bytes,
+        default=0,
+        metavar="N",
+        help="host tier: blocks evicted from the device pool go to N bytes of host memory (0 = off; 4G, 512M ok)",
+    )
+    p.add_argument(
+        "--unsafe-host-load",
+        action="store_true",
+        help="TESTING ONLY: read host-loaded blocks without waiting for the copy (re-creates a known race)",
+    )
+    p.add_argument(
         "--numerics",
         choices=NUMERICS_MODES,
         default="canonical",
@@ -84,6 +96,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "device": args.device,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "host_cache_bytes": args.host_cache_bytes,
+        "unsafe_host_load": args.unsafe_host_load,
     }
 
 
@@ -91,6 +105,20 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """``N`` bytes, or with a K/M/G suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale != 1 else text
+    try:
+        value = int(float(digits) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes like 1073741824, 512M or 4G, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -40,7 +40,8 @@ class DraftModelProposer:
         assert spec.model is not None
         # As many blocks as the target: a shadow never needs more than its target. On a GPU the
         # target sized its pool first, so leave room with a lower gpu_memory_utilization.
-        cache = replace(target.config.cache, num_blocks=target.num_blocks)
+        # The draft keeps its own KV pool only (a host tier for drafts would cost memory and copies for nothing).
+        cache = replace(target.config.cache, num_blocks=target.num_blocks, host_cache_bytes=0, unsafe_host_load=False)
         self.draft = LLMEngine(replace(target.config, model=spec.model, speculative=None, cache=cache))
         self.target_vocab = target.model_config.vocab_size
         _check_vocabulary(spec.model, self.draft, target)

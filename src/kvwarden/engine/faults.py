@@ -20,6 +20,7 @@ is reproducible.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ KNOWN: dict[str, tuple[type, str]] = {
     "kv-corruption": (float, "share of requests whose KV blocks are overwritten with noise after prefill"),
     "repetition": (float, "share of requests forced into a repeating loop"),
     "fault-seed": (int, "seed of the draw that picks the requests hit (default 0)"),
+    "host-load-delay": (float, "milliseconds each host-tier load waits before it copies (tests the wait before use)"),
 }
 _RATES = ("kv_corruption", "repetition")
 
@@ -54,6 +56,7 @@ class Faults:
     kv_corruption: float | None = None
     repetition: float | None = None
     fault_seed: int | None = None
+    host_load_delay: float | None = None
 
     def __post_init__(self) -> None:
         for name in _RATES:
@@ -122,7 +125,7 @@ class FaultInjector:
         self._loop.discard(request_id)
 
     def after_prefill(
-        self, req: Request, blocks: list[Block], kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int
+        self, req: Request, blocks: list[Block], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int
     ) -> list[Block]:
         """Overwrite the request's private KV blocks with noise (once, before its first sample).
 

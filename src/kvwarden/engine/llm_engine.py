@@ -13,9 +13,11 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from kvwarden.cache.block_pool import BlockPool
+from kvwarden.cache.host_tier import HostTier, host_pool_for
 from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
+from kvwarden.cache.transfer import CopyEngine
 from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.memory import cache_budget
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
@@ -78,7 +80,15 @@ class LLMEngine:
             self.kv = HybridCacheManager(self.kv, self.states)
         self.spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size, speculative=self.spec is not None)
-        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, config.numerics, self.states)
+        self.runner = ModelRunner(
+            model, self.num_blocks, cache.block_size, config.numerics, self.states, cache.unsafe_host_load
+        )
+        self.host: HostTier | None = None
+        if cache.host_cache_bytes:
+            pool = host_pool_for(self.runner.kv_caches, cache.block_size, cache.host_cache_bytes, self.ops.device)
+            copies = CopyEngine(self.ops.device, cache.block_size)
+            self.host = HostTier(self.runner.kv_caches, pool, copies, cache.block_size, self.states)
+            self.kv.attach_host(self.host)
         self.speculator: Speculator | None = None
         if self.spec is not None:
             from kvwarden.engine.speculator import Speculator as _Speculator  # it imports this module's users
@@ -193,7 +203,13 @@ class LLMEngine:
             return outputs
         if self.speculator is not None:
             self.speculator.before_step(sched)
-        step_logits = self.runner.execute(sched, self.kv)
+        if self.host is not None:
+            self.host.flush()  # write-backs of reused blocks, queued before the forward overwrites them
+        try:
+            step_logits = self.runner.execute(sched, self.kv)
+        finally:
+            if self.host is not None:
+                self.host.end_step()  # no copy outlives its step: blocks may change hands after this
         self.num_steps += 1
         completed = self.scheduler.update(sched)
         self._record_prompt_scores(sched, step_logits)
@@ -284,8 +300,10 @@ class LLMEngine:
 
     # -------------------------------------------------------------- inspection
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if the cache's bookkeeping is inconsistent."""
+        """Raise ``AssertionError`` if the cache's bookkeeping is inconsistent (both tiers)."""
         self.kv.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
         for req in self.scheduler.running:
             assert req.status is Status.RUNNING
             assert req.request_id in self.kv.req_blocks or req.num_computed_tokens == 0
@@ -312,4 +330,5 @@ class LLMEngine:
             "spec_num_draft_tokens": spec.num_draft_tokens,
             "spec_num_accepted_tokens": spec.num_accepted_tokens,
             "spec_accepted_per_position": list(spec.accepted_per_position),
+            **(self.host.stats() if self.host is not None else {}),
         }

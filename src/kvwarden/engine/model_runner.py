@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from kvwarden.cache.paged_kv import PagedKV
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
 from kvwarden.engine.scheduler import SchedulerOutput
@@ -75,6 +76,7 @@ class ModelRunner:
         block_size: int,
         numerics: NumericsConfig,
         states: StatePool | None = None,
+        unsafe_host_load: bool = False,
     ) -> None:
         self.model = model
         self.states = states
@@ -87,7 +89,10 @@ class ModelRunner:
         self.null_slot = num_blocks * block_size
         slots = self.null_slot + 1  # the null slot stays all zero
         layers = model.num_attention_layers
-        self.kv_caches = [self.ops.new_kv_cache(slots, heads, dim, model.dtype) for _ in range(layers)]
+        # Layer i's tensors are reached only through kv_caches[i], which waits for its pending host-tier copies.
+        self.kv_caches = PagedKV(
+            [self.ops.new_kv_cache(slots, heads, dim, model.dtype) for _ in range(layers)], unsafe_host_load
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:

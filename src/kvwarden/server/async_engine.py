@@ -71,6 +71,10 @@ class AsyncEngine:
         self.faults = faults or Faults()
         if self.faults.touches_requests:
             engine.faults = FaultInjector(self.faults)
+        if self.faults.host_load_delay is not None:
+            if engine.host is None:
+                raise ValueError("--inject-fault host-load-delay: needs a host tier (--host-cache-bytes N)")
+            engine.host.copies.load_delay_s = self.faults.host_load_delay / 1000.0
         self._inbox: queue.SimpleQueue[_Add | tuple[str, str]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}

@@ -24,7 +24,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2
 
 _COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests that produced a first token"),
     "generation_tokens": ("generation_tokens", "Generated tokens"),
     "preemptions": ("num_preemptions", "Requests preempted by recompute"),
@@ -40,6 +39,7 @@ _GAUGES = {
     "free_blocks": ("kv_blocks_free", "KV blocks free (including cached, evictable ones)"),
     "cached_blocks": ("kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
     "state_slots_used": ("state_slots_used", "Recurrent working-state slots held by requests (hybrid models)"),
+    "host_blocks_cached": ("host_kv_blocks_cached", "KV blocks held by the host tier (--host-cache-bytes)"),
 }
 
 
@@ -51,6 +51,14 @@ class _EngineCollector(Collector):
         snap = self.metrics.snapshot()
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
+        # vLLM's name; the tier label splits device-pool hits from host-tier hits (their sum is the total).
+        hits = CounterMetricFamily(
+            "kvwarden:prefix_cache_hits", "Prompt tokens served from the prefix cache", labels=["tier"]
+        )
+        host_hits = snap.get("prefix_cache_hits_host", 0)
+        hits.add_metric(["device"], snap.get("prefix_cache_hits", 0) - host_hits)
+        hits.add_metric(["host"], host_hits)
+        yield hits
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
         per_pos = CounterMetricFamily(

@@ -1,0 +1,232 @@
+"""The host tier: evicted blocks written back to host memory and loaded back layer by layer.
+
+What must hold (invariance (k)): a request served from the host tier gives
+bitwise the top-k lists of a cold run, of a device-tier hit and of no caching,
+for dense and hybrid models, under concurrency, preemption, aborts in the
+middle of a load and pools under pressure; both pools return to baseline.
+And the wait is what makes it so: with ``unsafe_host_load`` (reads do not wait
+for the copy) and an injected copy delay the logits change, and the probe says
+so; with the wait, the same delay changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwarden import LLM, SamplingParams
+from kvwarden.models.bundled import documents
+
+WORDS = [w for d in documents() for w in d.text.split()]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=8, logprobs=5, ignore_eos=True)
+
+
+def text(start: int, n: int) -> str:
+    return " ".join(WORDS[start : start + n])
+
+
+def shared_and_fillers() -> tuple[str, str, list[str]]:
+    """A; B sharing A's first 120 words; fillers that push A out of a 40-block device pool."""
+    a = text(0, 150)
+    b = text(0, 120) + " " + text(5000, 30)
+    return a, b, [text(1000 + 200 * i, 150) for i in range(4)]
+
+
+def tiered(model: Path, **kw: object) -> LLM:
+    return LLM(str(model), num_blocks=40, host_cache_bytes=64 << 20, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def cold(llama_tiny: Path) -> dict[str, list]:
+    """Reference answers of every prompt the tests use, computed with no cache at all."""
+    llm = LLM(str(llama_tiny), enable_prefix_caching=False)
+    a, b, fillers = shared_and_fillers()
+    prompts = [a, b, *fillers]
+    return {
+        "greedy": [o.logprobs for o in llm.generate(prompts, PARAMS)],
+        "seeded": [o.logprobs for o in llm.generate(prompts, SEEDED)],
+    }
+
+
+def test_a_host_hit_equals_cold_a_device_hit_and_no_cache(llama_tiny: Path, cold: dict[str, list]) -> None:
+    a, b, fillers = shared_and_fillers()
+    llm = tiered(llama_tiny)
+    engine = llm.engine
+    llm.generate([a], PARAMS)
+    device_hit = llm.generate([b], PARAMS)[0]  # A's blocks are still on the device
+    assert device_hit.num_cached_tokens > 0 and engine.stats().get("prefix_cache_hits_host") == 0
+    for f in fillers:
+        llm.generate([f], PARAMS)
+    assert engine.stats()["host_written_blocks"] > 0
+    for params, key in ((PARAMS, "greedy"), (SEEDED, "seeded")):
+        for f in fillers:  # push B's blocks out again
+            llm.generate([f], params)
+        before = engine.stats()["prefix_cache_hits_host"]
+        out = llm.generate([b], params)[0]
+        host_tokens = engine.stats()["prefix_cache_hits_host"] - before
+        assert host_tokens >= 96, "B should have been served from the host tier"
+        assert out.num_cached_tokens >= host_tokens  # cached_tokens counts both tiers
+        assert out.logprobs == cold[key][1], key
+    assert device_hit.logprobs == cold["greedy"][1]
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.num_blocks
+
+
+def test_the_wait_is_what_keeps_the_answer(llama_tiny: Path, cold: dict[str, list]) -> None:
+    a, b, fillers = shared_and_fillers()
+    results = {}
+    for unsafe in (False, True):
+        llm = tiered(llama_tiny, unsafe_host_load=unsafe)
+        llm.engine.host.copies.load_delay_s = 0.05  # every load lands 50 ms late
+        llm.generate([a, *fillers], PARAMS)
+        out = llm.generate([b], PARAMS)[0]
+        assert llm.engine.stats()["prefix_cache_hits_host"] >= 96
+        results[unsafe] = out.logprobs == cold["greedy"][1]
+        llm.engine.check_integrity()  # even the unsafe read never frees a block a copy still uses
+    assert results == {False: True, True: False}, "the safe path must match cold; the unsafe one must not"
+
+
+def test_hybrid_boundary_states_travel_with_their_blocks(qwen3_next_tiny: Path) -> None:
+    a, b, fillers = shared_and_fillers()
+    want = LLM(str(qwen3_next_tiny), enable_prefix_caching=False).generate([b], PARAMS)[0].logprobs
+    llm = LLM(str(qwen3_next_tiny), num_blocks=48, host_cache_bytes=64 << 20, block_size=32)
+    llm.generate([a, *fillers], PARAMS)
+    out = llm.generate([b], PARAMS)[0]
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits_host"] > 0, stats
+    assert out.logprobs == want
+    llm.engine.check_integrity()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    order=st.permutations(range(6)),
+    abort_after=st.lists(st.integers(0, 4), min_size=6, max_size=6),
+    aborted=st.sets(st.integers(0, 5), max_size=2),
+    num_blocks=st.sampled_from([32, 48]),
+)
+def test_invariance_k_under_concurrency_preemption_and_aborts(
+    llama_tiny: Path,
+    cold: dict[str, list],
+    order: list[int],
+    abort_after: list[int],
+    aborted: set[int],
+    num_blocks: int,
+) -> None:
+    """Rounds of concurrent requests over a small device pool: each completed answer equals its cold run."""
+    a, b, fillers = shared_and_fillers()
+    prompts = [a, b, *fillers]
+    llm = LLM(str(llama_tiny), num_blocks=num_blocks, host_cache_bytes=64 << 20, max_num_batched_tokens=128)
+    engine = llm.engine
+    for _round in range(2):
+        ids = {engine.add_request(prompts[i], PARAMS): i for i in order}
+        victims = {rid for rid, i in ids.items() if i in aborted}
+        done: dict[str, list] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.logprobs
+            steps += 1
+            for rid in list(victims):  # abort between steps, possibly right after a load was queued
+                if steps > abort_after[ids[rid]]:
+                    engine.abort(rid)
+                    victims.discard(rid)
+            engine.check_integrity()
+        for rid, logprobs in done.items():  # every request that completed, aborted ones that finished first too
+            assert logprobs == cold["greedy"][ids[rid]], f"prompt {ids[rid]}"
+    stats = engine.stats()
+    assert stats["host_written_blocks"] > 0 and stats["prefix_cache_hits_host"] > 0
+    assert engine.pool.num_free_blocks == engine.num_blocks and engine.host.host.num_pinned == 0
+
+
+def test_the_probe_catches_the_race_and_not_the_safe_path(llama_tiny: Path, tmp_path: Path) -> None:
+    a, b, fl = shared_and_fillers()
+    tier = ["--num-blocks", "40", "--host-cache-bytes", "64M", "--inject-fault", "host-load-delay=50"]
+    verdicts = {}
+    for unsafe in (False, True):
+        scenario = {
+            "name": "host-tier-race",
+            "max_tokens": 8,
+            "ignore_eos": True,
+            "requests": {
+                "A": {"prompt": a},
+                "B": {"prompt": b},
+                **{f"F{i}": {"prompt": f} for i, f in enumerate(fl)},
+            },
+            "arms": {
+                "cold": {"server": {"prefix_caching": False}, "steps": [{"request": "B", "repeat": 2}]},
+                "host": {
+                    "server": {"extra_args": tier + (["--unsafe-host-load"] if unsafe else [])},
+                    "steps": [{"request": "A"}] + [{"request": f"F{i}"} for i in range(4)] + [{"request": "B"}],
+                },
+            },
+            "compare_arms": ["cold", "host"],
+        }
+        path = tmp_path / f"race-{unsafe}.yaml"
+        path.write_text(yaml.safe_dump(scenario))
+        out = tmp_path / f"run-{unsafe}"
+        cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--no-progress", "--json", "--out", str(out)]
+        cmd += ["--launcher", "kvwarden", "--model", str(llama_tiny), "--scenario", str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode in (0, 1), done.stdout + done.stderr
+        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        verdicts[unsafe] = all(summary["cross_arm"].values())  # the host arm's B equals the cold arm's B
+    assert verdicts == {False: True, True: False}, verdicts
+
+
+def test_a_server_reports_both_tiers(llama_tiny: Path) -> None:
+    import httpx
+
+    from server_util import running_server
+
+    a, b, fillers = shared_and_fillers()
+    args = ["--num-blocks", "40", "--host-cache-bytes", "64M", "--served-model-name", "tiny"]
+    with running_server(str(llama_tiny), *args) as server:
+
+        def complete(prompt: str) -> dict:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "logprobs": 5}
+            resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        for prompt in (a, *fillers):
+            complete(prompt)
+        answer = complete(b)
+        m = server.metrics()
+        host = m['kvwarden:prefix_cache_hits_total{tier="host"}']
+        assert host >= 96 and m["kvwarden:host_kv_blocks_cached"] > 0
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= host  # both tiers count
+        assert m["kvwarden:kv_blocks_used"] == 0
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvwarden.cli",
+            "serve",
+            str(llama_tiny),
+            "--port",
+            "0",
+            "--inject-fault",
+            "host-load-delay=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "--host-cache-bytes" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "kvwarden.cli", "serve", str(llama_tiny), "--host-cache-bytes", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--host-cache-bytes" in done.stderr, done.stderr
