@@ -211,3 +211,21 @@ def test_a_backend_that_stops_answering_is_taken_out_and_probed_back_in(
                 os.kill(spare.process.pid, signal.SIGCONT)
             wait_for("the backend to be probed back in", lambda: g.metrics()[up] == 1.0)
             assert g.metrics()[f'kvwarden_guard:backend_up{{backend="{dead}"}}'] == 0.0
+
+
+def test_a_client_that_goes_away_frees_everything(backends: dict[str, Server]) -> None:
+    clean = backends["clean"]
+    for hold in ("0", "128"):  # gone after the first tokens, and gone while the guard still holds them back
+        with running_guard([clean.url], "--hold-back-tokens", hold, "--canary-interval", "0") as g:
+            body = {"model": "tiny", "prompt": prompts(1)[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.Client(timeout=30) as client:
+                if hold == "0":
+                    with client.stream("POST", f"{g.url}/v1/completions", json=body) as resp:
+                        for _ in zip(range(5), resp.iter_lines(), strict=False):
+                            pass  # read a few chunks, then hang up
+                else:
+                    with pytest.raises(httpx.ReadTimeout):
+                        client.post(f"{g.url}/v1/completions", json=body, timeout=1.0)
+            outstanding = f'kvwarden_guard:backend_outstanding_requests{{backend="{clean.url}"}}'
+            wait_for("the guard to let go of the backend", lambda g=g, name=outstanding: g.metrics()[name] == 0.0)
+            wait_for("the backend's KV pool to return to baseline", lambda: idle(clean))

@@ -159,15 +159,19 @@ class Relay:
         t0 = time.perf_counter()
         try:
             response = await self.guard.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+        except BaseException as exc:  # a cancelled client too: the count must not leak
             backend.outstanding -= 1
-            raise _Failed(f"{type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, httpx.HTTPError):
+                raise _Failed(f"{type(exc).__name__}: {exc}") from exc
+            raise
         finally:
             self.upstream_wait += time.perf_counter() - t0
         if response.status_code != 200:
-            body = await response.aread()
-            await response.aclose()
-            backend.outstanding -= 1
+            try:
+                body = await response.aread()
+            finally:
+                await response.aclose()
+                backend.outstanding -= 1
             if response.status_code in (429, 503):  # busy, not broken: try elsewhere, keep it in
                 raise _Failed(f"busy (HTTP {response.status_code})", take_out=False)
             if response.status_code >= 500:
