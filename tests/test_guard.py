@@ -229,3 +229,20 @@ def test_a_client_that_goes_away_frees_everything(backends: dict[str, Server]) -
             outstanding = f'kvwarden_guard:backend_outstanding_requests{{backend="{clean.url}"}}'
             wait_for("the guard to let go of the backend", lambda g=g, name=outstanding: g.metrics()[name] == 0.0)
             wait_for("the backend's KV pool to return to baseline", lambda: idle(clean))
+
+
+def test_the_guard_checks_its_own_clients(backends: dict[str, Server], tmp_path: Path) -> None:
+    config = tmp_path / "guard.toml"
+    config.write_text('client_api_key = "sesame"\nmax_body_bytes = 4096\n[canary]\ninterval = 0.0\n')
+    with running_guard([backends["clean"].url], "--config", str(config)) as g:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        resp = httpx.post(f"{g.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{g.url}/v1/models", timeout=10).status_code == 401
+        key = {"Authorization": "Bearer sesame"}
+        resp = httpx.post(f"{g.url}/v1/completions", json=body, headers=key, timeout=60)
+        assert resp.status_code == 200, resp.text
+        big = {**body, "prompt": "x " * 4096}
+        resp = httpx.post(f"{g.url}/v1/completions", json=big, headers=key, timeout=60)
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
+        assert httpx.get(f"{g.url}/health", timeout=10).status_code == 200  # health and metrics stay open

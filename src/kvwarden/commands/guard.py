@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--canary-interval", type=float, default=None, help="seconds between canary replays (0 = off)")
     p.add_argument("--api-key", default=None, help="sent to the backends as 'Authorization: Bearer KEY'")
     p.add_argument(
+        "--client-api-key", default=None, help="require 'Authorization: Bearer KEY' from clients on /v1/*"
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="log level"
     )
     p.set_defaults(func=run)
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         max_retries=args.max_retries,
         hold_back_tokens=args.hold_back_tokens,
         api_key=args.api_key,
+        client_api_key=args.client_api_key,
     )
     if args.canary_interval is not None:
         config = replace(config, canary=replace(config.canary, interval=args.canary_interval))  # re-validated

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -47,10 +48,28 @@ def make_guard(config: GuardConfig) -> Guard:
 def build_app(guard: Guard) -> Starlette:
     """The guard as an ASGI app (the caller runs it, e.g. with uvicorn)."""
 
+    def gatekeep(request: Request) -> ApiError | None:
+        """401 without the client key (when one is set); 413 for a body over the limit."""
+        key = guard.config.client_api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            return ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", None, "invalid_api_key")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > guard.config.max_body_bytes:
+            return too_large
+        return None
+
+    too_large = ApiError(413, f"request body over {guard.config.max_body_bytes} bytes", None, "body_too_large")
+
     async def generate(request: Request) -> Response:
         kind = ROUTES[request.url.path]
+        err = gatekeep(request)
+        if err is not None:
+            return _error(err)
+        raw = await request.body()
+        if len(raw) > guard.config.max_body_bytes:  # chunked uploads carry no Content-Length
+            return _error(too_large)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
             return _error(ApiError(400, "the request body is not valid JSON", None, "invalid_json"))
         if not isinstance(body, dict):
@@ -85,7 +104,10 @@ def build_app(guard: Guard) -> Starlette:
     async def metrics(_: Request) -> Response:
         return PlainTextResponse(guard.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def models(_: Request) -> Response:
+    async def models(request: Request) -> Response:
+        err = gatekeep(request)
+        if err is not None:
+            return _error(err)
         for backend in guard.pool.backends:
             if not backend.routable:
                 continue

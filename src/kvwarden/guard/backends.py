@@ -112,5 +112,7 @@ class BackendPool:
     async def health_loop(self, client: httpx.AsyncClient, interval: float) -> None:
         """Check every backend every ``interval`` seconds until cancelled."""
         while True:
-            await asyncio.gather(*(self.check(client, b, min(interval, 5.0)) for b in self.backends))
+            # A busy backend may answer /health slowly: never judge it on less than 2 s, nor wait more than 5.
+            timeout = min(5.0, max(2.0, interval))
+            await asyncio.gather(*(self.check(client, b, timeout) for b in self.backends))
             await asyncio.sleep(interval)

@@ -103,6 +103,9 @@ class GuardConfig:
         request_timeout: seconds an upstream may stay silent before it counts as failed.
         health_interval: seconds between health checks (a failed backend is probed back in).
         api_key: sent to the backends as ``Authorization: Bearer``.
+        client_api_key: when set, clients must send ``Authorization: Bearer``
+            with it on ``/v1/*`` (401 otherwise), as ``kvwarden serve --api-key``.
+        max_body_bytes: larger request bodies are answered 413 unread.
     """
 
     backends: tuple[str, ...]
@@ -113,6 +116,8 @@ class GuardConfig:
     request_timeout: float = 120.0
     health_interval: float = 5.0
     api_key: str | None = None
+    client_api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
     monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
 
@@ -128,6 +133,7 @@ class GuardConfig:
         _check("max_retries", self.max_retries, 0, 100)
         _check("request_timeout", self.request_timeout, 1e-3, None)
         _check("health_interval", self.health_interval, 1e-3, None)
+        _check("max_body_bytes", self.max_body_bytes, 1, None)
         if self.hold_back_tokens is not None:
             _check("hold_back_tokens", self.hold_back_tokens, 0, None)
         m = self.monitors
@@ -188,7 +194,7 @@ def _section(cls: type, prefix: str, table: Any) -> Any:
 def parse_toml(data: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of :class:`GuardConfig` a TOML document sets (strict: unknown keys are errors)."""
     top = {"backends", "host", "port", "max_retries", "hold_back_tokens", "request_timeout", "health_interval"}
-    top |= {"api_key", "monitors", "canary"}
+    top |= {"api_key", "client_api_key", "max_body_bytes", "monitors", "canary"}
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in top:
@@ -209,7 +215,7 @@ def parse_toml(data: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(value, list) or not all(isinstance(u, str) for u in value):
                 raise ValueError("backends: expected a list of URLs")
             out["backends"] = tuple(value)
-        elif key in ("hold_back_tokens", "api_key"):
+        elif key in ("hold_back_tokens", "api_key", "client_api_key"):
             kind = int if key == "hold_back_tokens" else str
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"{key}: expected {kind.__name__}, got {value!r}")
