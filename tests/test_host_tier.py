@@ -230,3 +230,43 @@ def test_a_server_reports_both_tiers(llama_tiny: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "--host-cache-bytes" in done.stderr, done.stderr
+
+
+def test_copies_run_in_order_and_readers_wait_only_for_their_layer() -> None:
+    import torch
+
+    from kvwarden.cache.paged_kv import PagedKV
+    from kvwarden.cache.transfer import CopyEngine, slot_runs
+
+    assert slot_runs([5, 4, 3, 9, 10, 1], [50, 40, 30, 90, 100, 10]) == (
+        [(1, 1), (3, 3), (9, 2)],
+        [10, 30, 40, 50, 90, 100],
+    )
+    bs, gen = 4, torch.Generator().manual_seed(0)
+
+    def layer() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8 * bs, 2, 3, generator=gen), torch.randn(8 * bs, 2, 3, generator=gen)
+
+    dev, host = [layer(), layer()], [layer(), layer()]
+    want = [tuple(t[2 * bs : 3 * bs].clone() for t in kv) for kv in dev]  # device block 2, every layer
+    copies = CopyEngine(torch.device("cpu"), bs)
+    kv = PagedKV(dev)
+    # Write device block 2 to host slot 6, then load host slot 6 into device block 5: FIFO makes the load see it.
+    for i, ticket in enumerate(copies.write_back(dev, [2], host, [6])):
+        kv.add(i, ticket, load=False)
+    copies.load_delay_s = 0.2
+    for i in range(2):
+        kv.add(i, copies.load(host[i], [6], dev[i], [5]), load=True)
+    for i in range(2):
+        k, v = kv[i]  # waits for layer i's copies
+        assert torch.equal(k[5 * bs : 6 * bs], want[i][0]) and torch.equal(v[5 * bs : 6 * bs], want[i][1])
+    kv.settle()
+    # Unsafe: the read does not wait for a delayed load and sees the block's old contents.
+    copies.load_delay_s = 2.0  # far longer than the read below takes, even on a loaded machine
+    unsafe = PagedKV(dev, unsafe_loads=True)
+    old = dev[0][0][7 * bs : 8 * bs].clone()
+    unsafe.add(0, copies.load(host[0], [6], dev[0], [7]), load=True)
+    assert torch.equal(unsafe[0][0][7 * bs : 8 * bs], old)
+    unsafe.settle()  # the copy still lands, and nothing is in flight after the step
+    assert torch.equal(dev[0][0][7 * bs : 8 * bs], want[0][0])
+    copies.close()
