@@ -13,6 +13,7 @@ destination first waits on it (see :class:`kvwarden.cache.paged_kv.PagedKV`).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -173,6 +174,7 @@ class CopyEngine:
             job, ticket = item
             try:
                 job(ticket)
-            except BaseException as exc:  # reported to whoever waits on the ticket
+            except BaseException as exc:  # reported to whoever waits on the ticket, and logged
                 ticket.error = exc
+                logging.getLogger("kvwarden").error("host-tier copy failed: %s: %s", type(exc).__name__, exc)
             ticket.done.set()
