@@ -41,9 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--canary-interval", type=float, default=None, help="seconds between canary replays (0 = off)")
     p.add_argument("--api-key", default=None, help="sent to the backends as 'Authorization: Bearer KEY'")
-    p.add_argument(
-        "--client-api-key", default=None, help="require 'Authorization: Bearer KEY' from clients on /v1/*"
-    )
+    p.add_argument("--client-api-key", default=None, help="require 'Authorization: Bearer KEY' from clients on /v1/*")
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="log level"
     )

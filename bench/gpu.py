@@ -1,0 +1,265 @@
+"""GPU speed, one run, one machine: throughput, decode, time to first token, and the cost of invariance.
+
+Rows (kvwarden canonical = invariant Triton kernels; fast path = cuBLAS + SDPA):
+
+1. offline throughput on nano-vllm's workload (``--num-requests`` sequences,
+   random input and output lengths in [100, 1024], ``ignore_eos``): kvwarden
+   canonical, kvwarden fast path, transformers ``generate`` (batched, left
+   padded); beside it the workload's bandwidth floor: every decode step must
+   read the weights and the KV of every running sequence, over the copy
+   bandwidth measured in this run;
+2. decode tok/s at batch 1, 16, 64, 256 (128-token prompts), and the batch-1
+   figure as a share of the HBM roofline (weights + KV bytes read per token over
+   the measured copy bandwidth);
+3. time to first token for 1K, 4K and 16K-token prompts, cold and with the
+   prompt's prefix cached (16 new tokens);
+4. the cost of invariance: canonical over fast path, per row;
+5. the hybrid model (``--hybrid``) beside the dense one for rows 2 and 3.
+
+    python bench/gpu.py                                  # on a GPU: qwen3-0.6b and qwen3_next-0.6b
+    python bench/gpu.py --device cpu --dtype float32 --model builtin:llama-tiny --hybrid builtin:qwen3_next-tiny --quick
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline import run_kvwarden, run_transformers
+
+NUMERICS = {"canonical": "canonical", "fast": "shape-dependent"}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), median of 10."""
+    n = (1 << 30) // 2 if device == "cuda" else (1 << 26)
+    src = torch.randn(n, dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(11):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / sorted(times[1:])[5]
+
+
+def model_bytes(model: str) -> tuple[int, int]:
+    """(bytes of weights a decode step reads, KV bytes per token) from the checkpoint and its config."""
+    from kvwarden.models.sources import resolve_model
+
+    path = resolve_model(model)
+    cfg = json.loads((path / "config.json").read_text())
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    width = 2 if cfg.get("torch_dtype", "bfloat16") in ("bfloat16", "float16") else 4
+    if not cfg.get("tie_word_embeddings", False):  # the embedding table is looked up, not read whole
+        total -= cfg["vocab_size"] * cfg["hidden_size"] * width
+    layer_types = cfg.get("layer_types")
+    layers = cfg["num_hidden_layers"]
+    attn = sum(1 for t in layer_types if t in ("full_attention", "attention")) if layer_types else layers
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = attn * 2 * cfg["num_key_value_heads"] * head_dim * 2  # bf16 K and V
+    return total, kv_per_token
+
+
+def vocab_of(model: str) -> int:
+    from kvwarden.models.sources import resolve_model
+
+    return json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"]
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)]
+
+
+def floor_seconds(reqs: list[tuple[list[int], int]], weights: int, kv_per_token: int, bw: float, seqs: int) -> float:
+    """Decode steps of the workload with ``seqs`` running at once, each reading the weights and every KV."""
+    pending = sorted(((len(p), n) for p, n in reqs), key=lambda r: -r[1])
+    running: list[list[int]] = []  # [context, left]
+    total = 0.0
+    while pending or running:
+        while pending and len(running) < seqs:
+            ctx, n = pending.pop()
+            running.append([ctx, n])
+        total += (weights + kv_per_token * sum(ctx for ctx, _ in running)) / bw
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+    return total
+
+
+def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
+    from kvwarden import LLM
+
+    return LLM(model, device=args.device, dtype=args.dtype, numerics=numerics, **kw)
+
+
+def decode_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    from kvwarden import SamplingParams
+
+    rows = []
+    steps = 32
+    for name, numerics in NUMERICS.items():
+        engine = llm(model, args, numerics, max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False)
+        rng = random.Random(1)
+        engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
+        for batch in args.batches:
+            prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(batch)]
+            t = []
+            for max_tokens in (1, 1 + steps):
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                sync(args.device)
+                t0 = time.perf_counter()
+                engine.generate(prompts, params)
+                sync(args.device)
+                t.append(time.perf_counter() - t0)
+            rows.append({"model": model, "engine": name, "batch": batch, "decode_tok_s": batch * steps / (t[1] - t[0])})
+        del engine
+    return rows
+
+
+def ttft_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    from kvwarden import SamplingParams
+
+    rows = []
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for name, numerics in NUMERICS.items():
+        engine = llm(model, args, numerics, max_num_batched_tokens=8192, max_model_len=max(args.prompts) + 64)
+        rng = random.Random(2)
+        engine.generate([[5] * 8], one)
+        for length in args.prompts:
+            prefix = [rng.randrange(3, vocab) for _ in range(length)]
+
+            def timed(prompt: list[int], engine: Any = engine) -> float:
+                sync(args.device)
+                t0 = time.perf_counter()
+                engine.generate([prompt], one)
+                sync(args.device)
+                return time.perf_counter() - t0
+
+            cold = timed(prefix + [7] * 16)
+            warm = timed(prefix + [9] * 16)  # the prefix's blocks are cached now
+            rows.append({"model": model, "engine": name, "prompt": length, "cold_s": cold, "warm_s": warm})
+        del engine
+    return rows
+
+
+def profile_steps(model: str, args: argparse.Namespace, vocab: int, batch: int, prompt: int) -> str:
+    """Kernel-time table of a prefill step and the decode steps after it (torch.profiler, canonical)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvwarden import SamplingParams
+
+    engine = llm(model, args, "canonical", max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False)
+    rng = random.Random(3)
+    engine.generate([[5] * 8], SamplingParams(max_tokens=2))
+    core = engine.engine
+    for _ in range(batch):
+        core.add_request(
+            [rng.randrange(3, vocab) for _ in range(prompt)], SamplingParams(max_tokens=9, ignore_eos=True)
+        )
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        while core.has_unfinished_requests():
+            core.step()
+        sync(args.device)
+    key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=18)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:qwen3-0.6b")
+    p.add_argument("--hybrid", default="builtin:qwen3_next-0.6b", help="'' to skip")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--prompts", default="1024,4096,16384")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a kernel table of one prefill + 8 decode steps")
+    p.add_argument("--quick", action="store_true", help="small sizes to check the script runs")
+    args = p.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.prompts = [int(x) for x in args.prompts.split(",")]
+    lo, hi = 100, 1024
+    if args.quick:
+        args.num_requests, args.batches, args.prompts, lo, hi = 4, [1, 4], [64, 256], 16, 48
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    bw = copy_bandwidth(args.device)
+    weights, kv_per_token = model_bytes(args.model)
+    vocab = vocab_of(args.model)
+    result: dict[str, Any] = {"bench": "gpu", "device": args.device, "copy_bandwidth_gb_s": bw / 1e9}
+    console.print(f"[gpu bench] copy {bw / 1e9:.0f} GB/s; weights {weights / 1e9:.2f} GB; KV {kv_per_token} B/token")
+    if not args.skip_offline:
+        reqs = workload(args.num_requests, lo, hi, min(vocab, 8192))
+        ns = argparse.Namespace(
+            device=args.device,
+            dtype=args.dtype,
+            max_input=hi,
+            max_output=hi,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            hf_batch=args.num_requests,
+        )
+        offline = []
+        for name, numerics in NUMERICS.items():
+            console.print(f"[gpu bench] offline, kvwarden {name} ...")
+            r = run_kvwarden(args.model, reqs, numerics, ns)
+            offline.append({"engine": f"kvwarden {name}", "output_tok_s": r.output_tok_s, "seconds": r.seconds})
+        console.print("[gpu bench] offline, transformers generate ...")
+        r = run_transformers(args.model, reqs, ns)
+        offline.append({"engine": "transformers generate", "output_tok_s": r.output_tok_s, "seconds": r.seconds})
+        floor = floor_seconds(reqs, weights, kv_per_token, bw, 256)
+        result["offline"] = {"rows": offline, "floor_tok_s": sum(n for _, n in reqs) / floor}
+        for row in offline:
+            console.print(f"  {row['engine']:24s} {row['output_tok_s']:9.0f} tok/s")
+        console.print(f"  bandwidth floor          {result['offline']['floor_tok_s']:9.0f} tok/s")
+    models = [args.model] + ([args.hybrid] if args.hybrid else [])
+    result["decode"], result["ttft"] = [], []
+    for model in models:
+        mvocab = vocab_of(model)
+        console.print(f"[gpu bench] decode and TTFT, {model} ...")
+        result["decode"] += decode_rows(model, args, min(mvocab, 8192))
+        result["ttft"] += ttft_rows(model, args, min(mvocab, 8192))
+    roofline = bw / (weights + kv_per_token * 160)
+    b1 = [r for r in result["decode"] if r["model"] == args.model and r["batch"] == 1]
+    result["roofline_b1_tok_s"] = roofline
+    for r in b1:
+        r["share_of_roofline"] = r["decode_tok_s"] / roofline
+    for r in result["decode"]:
+        console.print(f"  decode {r['model']:28s} {r['engine']:10s} b{r['batch']:<4d} {r['decode_tok_s']:9.1f} tok/s")
+    for r in result["ttft"]:
+        cells = f"{r['prompt']:6d} cold {r['cold_s']:.3f} s warm {r['warm_s']:.3f} s"
+        console.print(f"  TTFT {r['model']:28s} {r['engine']:10s} {cells}")
+    console.print(f"  batch-1 roofline {roofline:.0f} tok/s")
+    if args.profile:
+        table = profile_steps(args.model, args, min(vocab, 8192), batch=16, prompt=512)
+        console.print(table)
+        result["profile"] = table
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
