@@ -112,12 +112,13 @@ def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
     return LLM(model, device=args.device, dtype=args.dtype, numerics=numerics, **kw)
 
 
-def decode_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def decode_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[str]) -> list[dict[str, Any]]:
     from kvwarden import SamplingParams
 
     rows = []
     steps = 32
-    for name, numerics in NUMERICS.items():
+    for name in engines:
+        numerics = NUMERICS[name]
         engine = llm(model, args, numerics, max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False)
         rng = random.Random(1)
         engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
@@ -136,12 +137,13 @@ def decode_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[s
     return rows
 
 
-def ttft_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[str]) -> list[dict[str, Any]]:
     from kvwarden import SamplingParams
 
     rows = []
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    for name, numerics in NUMERICS.items():
+    for name in engines:
+        numerics = NUMERICS[name]
         engine = llm(model, args, numerics, max_num_batched_tokens=8192, max_model_len=max(args.prompts) + 64)
         rng = random.Random(2)
         engine.generate([[5] * 8], one)
@@ -185,6 +187,47 @@ def profile_steps(model: str, args: argparse.Namespace, vocab: int, batch: int, 
     return prof.key_averages().table(sort_by=key, row_limit=18)
 
 
+def run_part(args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement in this process (the driver runs each in a fresh process: its memory dies with it)."""
+    lo, hi = (16, 48) if args.quick else (100, 1024)
+    vocab = min(vocab_of(args.model), 8192)
+    numerics = NUMERICS.get(args.engine, "canonical")
+    if args.part == "offline":
+        reqs = workload(args.num_requests, lo, hi, vocab)
+        ns = argparse.Namespace(
+            device=args.device,
+            dtype=args.dtype,
+            max_input=hi,
+            max_output=hi,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            hf_batch=args.num_requests,
+        )
+        r = run_transformers(args.model, reqs, ns) if args.engine == "transformers" else None
+        r = r or run_kvwarden(args.model, reqs, numerics, ns)
+        return {"engine": args.engine, "output_tok_s": r.output_tok_s, "seconds": r.seconds}
+    if args.part == "decode":
+        return {"rows": decode_rows(args.model, args, vocab, [args.engine])}
+    if args.part == "ttft":
+        return {"rows": ttft_rows(args.model, args, vocab, [args.engine])}
+    return {"table": profile_steps(args.model, args, vocab, batch=16, prompt=512)}
+
+
+def part(args: argparse.Namespace, name: str, model: str, engine: str, console: Any) -> dict[str, Any] | None:
+    """Run one measurement in a child process; its JSON line, or None (the error is printed)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--part", name, "--model", model, "--engine", engine, "--device", args.device]
+    cmd += ["--dtype", args.dtype, "--num-requests", str(args.num_requests), "--batches", args.batches_text]
+    cmd += ["--prompts", args.prompts_text] + (["--quick"] if args.quick else [])
+    console.print(f"[gpu bench] {name} {engine} {model} ...")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        console.print(f"  failed ({done.returncode}): {done.stderr[-1500:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:qwen3-0.6b")
@@ -197,67 +240,59 @@ def main() -> None:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--profile", action="store_true", help="print a kernel table of one prefill + 8 decode steps")
     p.add_argument("--quick", action="store_true", help="small sizes to check the script runs")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # internal: one measurement per process
+    p.add_argument("--engine", default="canonical", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.quick:
+        args.num_requests, args.batches, args.prompts = 4, "1,4", "64,256"
+    args.batches_text, args.prompts_text = args.batches, args.prompts
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
-    lo, hi = 100, 1024
-    if args.quick:
-        args.num_requests, args.batches, args.prompts, lo, hi = 4, [1, 4], [64, 256], 16, 48
+    if args.part is not None:
+        print(json.dumps(run_part(args)))
+        return
 
     from rich.console import Console
 
     console = Console(stderr=True)
     bw = copy_bandwidth(args.device)
     weights, kv_per_token = model_bytes(args.model)
-    vocab = vocab_of(args.model)
     result: dict[str, Any] = {"bench": "gpu", "device": args.device, "copy_bandwidth_gb_s": bw / 1e9}
     console.print(f"[gpu bench] copy {bw / 1e9:.0f} GB/s; weights {weights / 1e9:.2f} GB; KV {kv_per_token} B/token")
     if not args.skip_offline:
-        reqs = workload(args.num_requests, lo, hi, min(vocab, 8192))
-        ns = argparse.Namespace(
-            device=args.device,
-            dtype=args.dtype,
-            max_input=hi,
-            max_output=hi,
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            hf_batch=args.num_requests,
-        )
-        offline = []
-        for name, numerics in NUMERICS.items():
-            console.print(f"[gpu bench] offline, kvwarden {name} ...")
-            r = run_kvwarden(args.model, reqs, numerics, ns)
-            offline.append({"engine": f"kvwarden {name}", "output_tok_s": r.output_tok_s, "seconds": r.seconds})
-        console.print("[gpu bench] offline, transformers generate ...")
-        r = run_transformers(args.model, reqs, ns)
-        offline.append({"engine": "transformers generate", "output_tok_s": r.output_tok_s, "seconds": r.seconds})
-        floor = floor_seconds(reqs, weights, kv_per_token, bw, 256)
-        result["offline"] = {"rows": offline, "floor_tok_s": sum(n for _, n in reqs) / floor}
-        for row in offline:
-            console.print(f"  {row['engine']:24s} {row['output_tok_s']:9.0f} tok/s")
-        console.print(f"  bandwidth floor          {result['offline']['floor_tok_s']:9.0f} tok/s")
-    models = [args.model] + ([args.hybrid] if args.hybrid else [])
-    result["decode"], result["ttft"] = [], []
-    for model in models:
-        mvocab = vocab_of(model)
-        console.print(f"[gpu bench] decode and TTFT, {model} ...")
-        result["decode"] += decode_rows(model, args, min(mvocab, 8192))
-        result["ttft"] += ttft_rows(model, args, min(mvocab, 8192))
+        lo, hi = (16, 48) if args.quick else (100, 1024)
+        reqs = workload(args.num_requests, lo, hi, min(vocab_of(args.model), 8192))
+        floor = sum(n for _, n in reqs) / floor_seconds(reqs, weights, kv_per_token, bw, 256)
+        console.print(f"  offline bandwidth floor {floor:9.0f} tok/s")
+        rows = []
+        for engine in ("canonical", "fast", "transformers"):
+            row = part(args, "offline", args.model, engine, console)
+            if row is not None:
+                share = row["output_tok_s"] / floor
+                console.print(f"  offline {engine:12s} {row['output_tok_s']:9.0f} tok/s ({share:.1%} of floor)")
+                rows.append(row)
+        result["offline"] = {"rows": rows, "floor_tok_s": floor}
     roofline = bw / (weights + kv_per_token * 160)
-    b1 = [r for r in result["decode"] if r["model"] == args.model and r["batch"] == 1]
     result["roofline_b1_tok_s"] = roofline
-    for r in b1:
-        r["share_of_roofline"] = r["decode_tok_s"] / roofline
-    for r in result["decode"]:
-        console.print(f"  decode {r['model']:28s} {r['engine']:10s} b{r['batch']:<4d} {r['decode_tok_s']:9.1f} tok/s")
-    for r in result["ttft"]:
-        cells = f"{r['prompt']:6d} cold {r['cold_s']:.3f} s warm {r['warm_s']:.3f} s"
-        console.print(f"  TTFT {r['model']:28s} {r['engine']:10s} {cells}")
+    result["decode"], result["ttft"] = [], []
+    for model in [args.model] + ([args.hybrid] if args.hybrid else []):
+        for engine in NUMERICS:
+            got = part(args, "decode", model, engine, console)
+            for r in got["rows"] if got else []:
+                if model == args.model and r["batch"] == 1:
+                    r["share_of_roofline"] = r["decode_tok_s"] / roofline
+                console.print(f"  decode {engine:10s} b{r['batch']:<4d} {r['decode_tok_s']:9.1f} tok/s")
+                result["decode"].append(r)
+            got = part(args, "ttft", model, engine, console)
+            for r in got["rows"] if got else []:
+                console.print(f"  TTFT {engine:10s} {r['prompt']:6d} cold {r['cold_s']:.3f} s warm {r['warm_s']:.3f} s")
+                result["ttft"].append(r)
     console.print(f"  batch-1 roofline {roofline:.0f} tok/s")
     if args.profile:
-        table = profile_steps(args.model, args, min(vocab, 8192), batch=16, prompt=512)
-        console.print(table)
-        result["profile"] = table
+        got = part(args, "profile", args.model, "canonical", console)
+        if got is not None:
+            console.print(got["table"])
+            result["profile"] = got["table"]
     print(json.dumps(result))
 
 

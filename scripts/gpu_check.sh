@@ -8,8 +8,9 @@
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
 #   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
+#   scripts/gpu_check.sh full speed                   # bench/gpu.py (issue 13's table; each part in its own process)
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier (throughput and spec in full mode only). Logs and JSON results go
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, speed (throughput, spec and speed in full mode only). Logs and JSON results go
 # to $OUT (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +88,14 @@ if [ "$MODE" = full ] && want spec; then
     --model builtin:qwen3_next-0.6b --ks 2,4 --batches 1,16 --max-tokens 32 --repeats 1 2>&1 | tee "$OUT/spec.log" | tail -n 30
   tail -n 1 "$OUT/spec.log" > "$OUT/spec.json"
   record "spec: output equal to speculation off" "$(python3 -c "import json; print(all(r['identical_to_off'] for r in json.load(open('$OUT/spec.json'))['rows']))" 2>&1 | tail -n 1)"
+fi
+
+if [ "$MODE" = full ] && want speed; then
+  stage "speed: offline throughput vs the bandwidth floor, decode by batch, TTFT cold and warm, canonical vs fast path"
+  timeout 560 python3 bench/gpu.py --num-requests "${SPEED_REQUESTS:-64}" --profile 2>&1 | tee "$OUT/gpu_speed.log" \
+    | grep -v '^{' | tail -n 60
+  tail -n 1 "$OUT/gpu_speed.log" > "$OUT/gpu_speed.json"
+  record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
 fi
 
 if want hosttier; then
