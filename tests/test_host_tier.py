@@ -270,3 +270,15 @@ def test_copies_run_in_order_and_readers_wait_only_for_their_layer() -> None:
     unsafe.settle()  # the copy still lands, and nothing is in flight after the step
     assert torch.equal(dev[0][0][7 * bs : 8 * bs], want[0][0])
     copies.close()
+
+
+def test_a_host_pool_smaller_than_one_allocation(llama_tiny: Path, cold: dict[str, list]) -> None:
+    a, b, fillers = shared_and_fillers()
+    # Room for 3 host blocks: one allocation's write-backs evict each other's slots before they are flushed.
+    llm = tiered(llama_tiny)
+    per_block = llm.engine.host.host.bytes_per_block(llm.engine.host.host.layers, 16)
+    llm = LLM(str(llama_tiny), num_blocks=40, host_cache_bytes=3 * per_block)
+    for _ in range(2):
+        llm.generate([a, *fillers], PARAMS)
+        assert llm.generate([b], PARAMS)[0].logprobs == cold["greedy"][1]
+    llm.engine.check_integrity()

@@ -76,6 +76,9 @@ class HostTier:
             return  # already on the host, or every host slot is pinned by a load
         if self.states is not None and self.states.has_snapshot(block.block_hash):
             self.host.states[block.block_hash] = self.states.snapshot_to_host(block.block_hash)
+        # NOTE: a small host pool may hand out, within one allocation, a slot whose earlier write-back is still
+        # queued (its block was evicted from the host again): that write must not land after this one.
+        self._evicted = [(b, s) for b, s in self._evicted if s != slot]
         self._evicted.append((block.block_id, slot))
 
     def flush(self) -> None:
