@@ -19,17 +19,24 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from typing import Any
 
 
-def token_stream(tokenizer: Any, n: int, offset: int) -> list[int]:
-    """``n`` token ids of bundled text starting ``offset`` tokens in (wrapping around)."""
+@functools.cache
+def corpus_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The bundled documents as token ids (encoded once per tokenizer)."""
     from kvwarden.models.bundled import documents
 
-    ids = [t for d in documents() for t in tokenizer.encode(d.text)]
+    return tuple(t for d in documents() for t in tokenizer.encode(d.text))
+
+
+def token_stream(tokenizer: Any, n: int, offset: int) -> list[int]:
+    """``n`` token ids of bundled text starting ``offset`` tokens in (wrapping around)."""
+    ids = corpus_ids(tokenizer)
     out = []
     while len(out) < n:
         start = (offset + len(out)) % len(ids)

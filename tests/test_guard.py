@@ -29,6 +29,7 @@ import httpx
 import openai
 import pytest
 
+from kvwarden.guard.canary import as_ids
 from kvwarden.models.bundled import documents
 from kvwarden.probe.client import parse_logprobs
 from kvwarden.probe.fingerprint import fingerprint
@@ -87,11 +88,6 @@ def ask(url: str, mode: str, prompt: str, **extra: Any) -> Answer:
     return ask_all(url, mode, prompt, **extra)[0]
 
 
-def ids(tops: list[list[tuple[Any, float]]]) -> list[list[tuple[int, float]]]:
-    """Token strings -> stable ints, so the probe's fingerprint can hash them."""
-    return [[(hash(t) & 0xFFFFFFFF if isinstance(t, str) else t, v) for t, v in top] for top in tops]
-
-
 def wait_for(what: str, ok: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
@@ -113,7 +109,7 @@ def test_every_answer_equals_the_clean_backends(backends: dict[str, Server]) -> 
             want_text, want_tops, _ = ask(backends["clean"].url, mode, prompt)
             assert finish == "length", (mode, finish)
             assert len(tops) == MAX_TOKENS, mode
-            assert fingerprint(ids(tops), text) == fingerprint(ids(want_tops), want_text), (mode, prompt)
+            assert fingerprint(as_ids(tops), text) == fingerprint(as_ids(want_tops), want_text), (mode, prompt)
         # n = 2: each choice is watched on its own; the answer is held until both pass the window.
         for stream in (False, True):
             mode = "completions-stream" if stream else "completions"

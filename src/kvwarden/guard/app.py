@@ -23,15 +23,10 @@ from kvwarden.guard.backends import BackendPool
 from kvwarden.guard.config import GuardConfig
 from kvwarden.guard.metrics import GuardMetrics
 from kvwarden.guard.relay import Guard, Passthrough, Relay
-from kvwarden.server.protocol import ApiError
+from kvwarden.server.protocol import ApiError, api_key_error, error_response
 from kvwarden.server.sse import EventStream, until_disconnected
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-
-
-def _error(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.status == 503 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def make_guard(config: GuardConfig) -> Guard:
@@ -51,8 +46,10 @@ def build_app(guard: Guard) -> Starlette:
     def gatekeep(request: Request) -> ApiError | None:
         """401 without the client key (when one is set); 413 for a body over the limit."""
         key = guard.config.client_api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-            return ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", None, "invalid_api_key")
+        if key is not None:
+            refused = api_key_error(request.headers.get("authorization"), key)
+            if refused is not None:
+                return refused
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > guard.config.max_body_bytes:
             return too_large
@@ -64,23 +61,23 @@ def build_app(guard: Guard) -> Starlette:
         kind = ROUTES[request.url.path]
         err = gatekeep(request)
         if err is not None:
-            return _error(err)
+            return error_response(err)
         raw = await request.body()
         if len(raw) > guard.config.max_body_bytes:  # chunked uploads carry no Content-Length
-            return _error(too_large)
+            return error_response(too_large)
         try:
             body = json.loads(raw)
         except ValueError:
-            return _error(ApiError(400, "the request body is not valid JSON", None, "invalid_json"))
+            return error_response(ApiError(400, "the request body is not valid JSON", None, "invalid_json"))
         if not isinstance(body, dict):
-            return _error(ApiError(400, "the request body must be a JSON object", None, "invalid_json"))
+            return error_response(ApiError(400, "the request body must be a JSON object", None, "invalid_json"))
         relay = Relay(guard, body, kind, request.url.path)
         try:
             await until_disconnected(request, relay.start())
         except ApiError as err:
             await relay.aclose()
             guard.metrics.answers.labels(outcome="error" if err.status != 499 else "client_gone").inc()
-            return _error(err)
+            return error_response(err)
         except Passthrough as refused:
             await relay.aclose()
             guard.metrics.answers.labels(outcome="passthrough").inc()
@@ -107,7 +104,7 @@ def build_app(guard: Guard) -> Starlette:
     async def models(request: Request) -> Response:
         err = gatekeep(request)
         if err is not None:
-            return _error(err)
+            return error_response(err)
         for backend in guard.pool.backends:
             if not backend.routable:
                 continue
@@ -115,7 +112,7 @@ def build_app(guard: Guard) -> Starlette:
                 resp = await guard.client.get(f"{backend.url}/v1/models", timeout=10.0)
                 if resp.status_code == 200:
                     return JSONResponse(resp.json())
-        return _error(ApiError(503, "no backend answered /v1/models", None, "no_backend_available"))
+        return error_response(ApiError(503, "no backend answered /v1/models", None, "no_backend_available"))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

@@ -31,7 +31,7 @@ log = logging.getLogger("kvwarden.guard")
 CANARY_SHAPE = Shape(a_len=120, b_len=160, shared=100)
 
 
-def _as_ids(tops: list[TopList]) -> list[list[tuple[int, float]]]:
+def as_ids(tops: list[TopList]) -> list[list[tuple[int, float]]]:
     """Token keys as ints: ids stay; token strings (servers that give no ids) get a stable 63-bit hash."""
 
     def key(token: int | str) -> int:
@@ -75,7 +75,7 @@ async def replay(guard: Guard, backend: Backend) -> str:
     _, tops = parse_logprobs(choice.get("logprobs"))
     if not tops:
         raise ValueError("the backend returned no logprobs")
-    return fingerprint(_as_ids(tops), choice.get("text", "")).ordered
+    return fingerprint(as_ids(tops), choice.get("text", "")).ordered
 
 
 async def check_backend(guard: Guard, backend: Backend) -> None:

@@ -9,7 +9,6 @@ queue is full. None of them touches the engine's state.
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +32,8 @@ from kvwarden.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    api_key_error,
+    error_response,
 )
 from kvwarden.server.tokenize import Tokenization
 
@@ -45,11 +46,6 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     log_requests: bool = True  # one access-log line per API request (server/access_log.py)
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.status == 503 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 class BodyLimit:
@@ -157,12 +153,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
     @app.middleware("http")
     async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if config.api_key and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), config.api_key.encode()):
-                return error_response(
-                    ApiError(401, "missing or invalid API key", None, "invalid_api_key", "authentication_error")
-                )
+            refused = api_key_error(request.headers.get("authorization"), config.api_key)
+            if refused is not None:
+                return error_response(refused)
         return await call_next(request)
 
     def check_model(name: str) -> None:

@@ -7,9 +7,11 @@ clients send fields a server may not know.
 
 from __future__ import annotations
 
+import hmac
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse
 
 from kvwarden.engine.sampling_params import MAX_LOGPROBS
 
@@ -29,6 +31,21 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    """The error as OpenAI's JSON body with its status (503 says when to retry)."""
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def api_key_error(authorization: str | None, key: str) -> ApiError | None:
+    """401 unless ``authorization`` is ``Bearer <key>`` (compared in constant time)."""
+    header = authorization or ""
+    token = header[7:] if header.lower().startswith("bearer ") else ""
+    if hmac.compare_digest(token.encode(), key.encode()):
+        return None
+    return ApiError(401, "missing or invalid API key", None, "invalid_api_key", "authentication_error")
 
 
 # Fields that would change what the answer means: refused with a 400 naming the field rather than
