@@ -9,9 +9,13 @@
 #   scripts/gpu_check.sh full agreement throughput
 #   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
 #   scripts/gpu_check.sh full speed                   # bench/gpu.py (issue 13's table; each part in its own process)
+#   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows + profile only
+#   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, speed (throughput, spec and speed in full mode only). Logs and JSON results go
-# to $OUT (default /tmp/gpu_check).
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows (throughput,
+# spec and speed* in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
+# (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
+# (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-quick}
@@ -90,12 +94,33 @@ if [ "$MODE" = full ] && want spec; then
   record "spec: output equal to speculation off" "$(python3 -c "import json; print(all(r['identical_to_off'] for r in json.load(open('$OUT/spec.json'))['rows']))" 2>&1 | tail -n 1)"
 fi
 
+if want tune; then
+  stage "GEMM tiles: every candidate per weight shape of the 0.6b presets, timed at 1..4096 rows"
+  timeout 300 python3 bench/tune_gemm.py --model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b \
+    --out "$OUT/gemm_tuned.json" 2>&1 | tee "$OUT/tune_gemm.log" | grep -v '^{' | tail -n 30
+  [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"
+  record "GEMM tuning (shapes, all candidates invariant)" "$(python3 -c "import json; d=json.loads(open('$OUT/tune_gemm.log').read().splitlines()[-1])['shapes']; print(len(d), all(v['all_invariant'] for v in d.values()))" 2>&1 | tail -n 1)"
+fi
+
+speed() {  # $1: log name, then bench/gpu.py flags
+  local name=$1; shift
+  timeout 560 python3 bench/gpu.py "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 70
+  tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+}
 if [ "$MODE" = full ] && want speed; then
   stage "speed: offline throughput vs the bandwidth floor, decode by batch, TTFT cold and warm, canonical vs fast path"
-  timeout 560 python3 bench/gpu.py --num-requests "${SPEED_REQUESTS:-64}" --profile 2>&1 | tee "$OUT/gpu_speed.log" \
-    | grep -v '^{' | tail -n 60
-  tail -n 1 "$OUT/gpu_speed.log" > "$OUT/gpu_speed.json"
+  speed gpu_speed --num-requests "${SPEED_REQUESTS:-64}" --profile
   record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want speedoffline; then
+  stage "speed, offline half: nano-vllm's workload (${SPEED_REQUESTS:-256} sequences) and the kernel profile"
+  speed gpu_speed_offline --num-requests "${SPEED_REQUESTS:-256}" --skip-rows --profile
+  record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_offline.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want speedrows; then
+  stage "speed, rows half: decode by batch (graphs vs eager), TTFT cold and warm, dense and hybrid"
+  speed gpu_speed_rows --skip-offline ${SPEED_ROWS_ARGS:-}
+  record "speed: decode b1/b256 canonical tok/s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_rows.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
 fi
 
 if want hosttier; then

@@ -176,7 +176,10 @@ def test_attention_is_the_same_for_prefill_chunks_decode_and_batch(
             [(sum(p[2] for p in pieces[:i]), s, n, tables[r]) for i, (r, s, n) in enumerate(pieces)], DEVICE
         )
         q = torch.cat([qs[r][s : s + n] for r, s, n in pieces])
-        return attention.paged_attention(q, k, v, meta, block, scale)
+        walked = attention.paged_attention(q, k, v, meta, block, scale, parallel_splits=False)
+        # the flash-decoding form (a program per split, then the fold) gives the same bits
+        assert same(attention.paged_attention(q, k, v, meta, block, scale, parallel_splits=True), walked)
+        return walked
 
     whole = run([(0, 0, 70)])
     assert close(whole, _reference(qs[0], k, v, tables[0], block, 0, scale), dtype)

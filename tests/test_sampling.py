@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvwarden import LLM, SamplingParams
-from kvwarden.engine.sampler import top_logprobs
+from kvwarden.engine.sampler import RowMath, draw_from, draw_rows, sampling_probs, step_tops, top_logprobs
 from util import exact, random_tokens
 
 
@@ -27,6 +27,33 @@ def test_top_logprobs_descending_with_ties_broken_by_token_id() -> None:
     row = torch.tensor([-2.0, -1.0, -3.0, -1.0, -0.5, -1.0])
     assert top_logprobs(row, 5) == [(4, -0.5), (1, -1.0), (3, -1.0), (5, -1.0), (0, -2.0)]
     assert top_logprobs(row, 2) == [(4, -0.5), (1, -1.0)]  # a tie at the boundary keeps the lower id
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 20])
+def test_step_tops_equal_each_row_alone(k: int) -> None:
+    # Rows drawn from a few values so ties cross the k-th place in some rows and not in others.
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randint(0, 6, (9, 50), generator=gen).float() * 0.5
+    logits[3] = 1.0  # one row all ties
+    tops = step_tops(logits, k, RowMath())
+    for i, row in enumerate(logits):
+        alone = torch.log_softmax(row.view(1, -1), dim=-1)[0]
+        assert torch.equal(tops[i].logprobs, alone)
+        assert tops[i].top == top_logprobs(alone, k)
+
+
+def test_draw_rows_equal_each_row_drawn_alone() -> None:
+    """The step's seeded draws (a GPU engine draws every temperature-only row at once) against the
+    one-row draw, at temperatures, seeds and positions that differ per row."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4096, generator=gen) * 3
+    logits[3] = logits[0]
+    temps, seeds, positions = [0.6, 1.0, 1.7, 0.6, 0.3, 2.0], [1, 2, 3, 1, 99, 5], [10, 11, 0, 10, 7, 123456]
+    got = draw_rows(logits, temps, seeds, positions, RowMath())
+    for i in range(6):
+        params = SamplingParams(temperature=temps[i], seed=seeds[i])
+        assert got[i] == draw_from(sampling_probs(logits[i], params, RowMath()), seeds[i], positions[i]), i
+    assert got[0] == got[3]  # same row, seed and position: same draw
 
 
 def test_greedy_lists_are_consistent(llm: LLM) -> None:

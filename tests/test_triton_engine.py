@@ -89,3 +89,33 @@ def test_triton_kernels_on_a_cpu_need_the_interpreter(llama_tiny: Path, monkeypa
     if not GPU:
         with pytest.raises(ValueError, match="no CUDA device"):
             LLM(str(llama_tiny), device="cuda")
+
+
+def test_decode_graphs_replay_the_eager_step_bit_for_bit(llama_tiny: Path) -> None:
+    """Pure decode steps through the CUDA-graph path (captured on a GPU; on the CPU the same padded
+    static-buffer step, uncaptured) against every step eager: batch sizes padded up (5 -> 8, 3 -> 4),
+    requests finishing at different steps, chunked prefills beside decodes, preemption in a small pool."""
+    rng = random.Random(4)
+    prompts = [random_tokens(rng, n, 1000) for n in (5, 19, 11, 30, 8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=5, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
+    params[2] = SamplingParams(temperature=0.9, seed=3, max_tokens=9, logprobs=5, ignore_eos=True)
+    graphs = "auto" if GPU else "emulate"
+    runs = {}
+    for mode in ("off", graphs):
+        for num_blocks in (256, 7):  # 7 blocks of 8: not enough for all five, so some are preempted
+            llm = _make(llama_tiny, DTYPES[-1])(max_num_seqs=8, num_blocks=num_blocks, cuda_graphs=mode)
+            outs = llm.generate(prompts, params)
+            runs[mode, num_blocks] = [(o.token_ids, o.logprobs, o.sampled_logprobs) for o in outs]
+            engine = llm.engine
+            if mode != "off":
+                assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+            if num_blocks == 7:
+                assert engine.scheduler.num_preemptions > 0
+    assert runs["off", 256] == runs[graphs, 256] == runs["off", 7] == runs[graphs, 7]
+
+
+def test_decode_graphs_refuse_what_they_cannot_capture(qwen3_next_tiny: Path) -> None:
+    with pytest.raises(ValueError, match="cuda_graphs: 'emulate' needs a graph-capable model; recurrent"):
+        _make(qwen3_next_tiny, "float32")(cuda_graphs="emulate")
+    with pytest.raises(ValueError, match="cuda_graphs: unknown 'always'"):
+        _make(qwen3_next_tiny, "float32")(cuda_graphs="always")

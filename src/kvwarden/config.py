@@ -24,6 +24,7 @@ NUMERICS_MODES: tuple[str, ...] = ("canonical", "shape-dependent")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 CHUNKING_RULES: tuple[str, ...] = ("kvwarden", "legacy-align", "legacy-align-fixed")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+CUDA_GRAPH_MODES: tuple[str, ...] = ("auto", "off", "emulate")
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,12 @@ class EngineConfig:
 
     ``device``: ``"cpu"``, ``"cuda"`` (the first GPU), or ``"auto"`` (the GPU when
     there is one, else the CPU); see :func:`resolve_device`.
+
+    ``cuda_graphs``: ``"auto"`` replays pure decode steps from CUDA graphs on a
+    GPU when the model allows it (see :mod:`kvwarden.engine.cuda_graphs`);
+    ``"off"`` runs every step eagerly (vLLM's ``enforce_eager``); ``"emulate"``
+    runs the graphs' padded static-buffer step without capturing (tests of it
+    on the CPU, with the Triton kernels under the interpreter).
     """
 
     model: str
@@ -235,8 +242,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     speculative: SpeculativeConfig | None = None
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: unknown {self.cuda_graphs!r}; expected one of {CUDA_GRAPH_MODES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: unknown {self.dtype!r}; expected one of {DTYPES}")
         if self.device not in DEVICES:

@@ -49,6 +49,10 @@ class LLM:
             loaded back layer by layer on a prefix hit, with the same logits.
         unsafe_host_load: testing only: read host-loaded blocks without waiting
             for their copy (re-creates a known race; changes the logits).
+        enforce_eager: run every step eagerly; by default a GPU replays pure
+            decode steps from CUDA graphs (same logits, less host time).
+        cuda_graphs: ``"auto"`` / ``"off"`` / ``"emulate"`` (tests; see
+            ``EngineConfig``); ``enforce_eager=True`` means ``"off"``.
     """
 
     def __init__(
@@ -71,6 +75,8 @@ class LLM:
         kernels: str = "auto",
         host_cache_bytes: int = 0,
         unsafe_host_load: bool = False,
+        enforce_eager: bool = False,
+        cuda_graphs: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -94,6 +100,7 @@ class LLM:
             ),
             numerics=NumericsConfig(mode=numerics, kernels=kernels),  # type: ignore[arg-type]
             speculative=SpeculativeConfig.from_dict(speculative_config),
+            cuda_graphs="off" if enforce_eager else cuda_graphs,
         )
         self.engine = LLMEngine(config)
 

@@ -68,6 +68,11 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         default=0.9,
         help="GPU only: share of the device's memory for weights, activations and the KV pool",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="GPU only: run decode steps eagerly instead of replaying CUDA graphs (same logits, slower)",
+    )
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -98,6 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "host_cache_bytes": args.host_cache_bytes,
         "unsafe_host_load": args.unsafe_host_load,
+        "enforce_eager": args.enforce_eager,
     }
 
 

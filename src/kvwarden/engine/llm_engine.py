@@ -12,6 +12,8 @@ import itertools
 import random
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvwarden.cache.block_pool import BlockPool
 from kvwarden.cache.host_tier import HostTier, host_pool_for
 from kvwarden.cache.hybrid_manager import HybridCacheManager
@@ -23,7 +25,7 @@ from kvwarden.engine.memory import cache_budget
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import prompt_logprob_rows, row_math_for
+from kvwarden.engine.sampler import RowTops, batchable, draw_rows, prompt_logprob_rows, row_math_for, step_tops
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvwarden.engine.spec_decode import verify
@@ -81,7 +83,13 @@ class LLMEngine:
         self.spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size, speculative=self.spec is not None)
         self.runner = ModelRunner(
-            model, self.num_blocks, cache.block_size, config.numerics, self.states, cache.unsafe_host_load
+            model,
+            self.num_blocks,
+            cache.block_size,
+            config.numerics,
+            self.states,
+            cache.unsafe_host_load,
+            graphs=(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs),
         )
         self.host: HostTier | None = None
         if cache.host_cache_bytes:
@@ -213,11 +221,12 @@ class LLMEngine:
         self.num_steps += 1
         completed = self.scheduler.update(sched)
         self._record_prompt_scores(sched, step_logits)
+        tops = self._step_tops(completed, step_logits)
         ready = []
         for chunk in completed:
             if self.faults is not None:
                 self._inject(chunk.request)
-            out = self._sample(chunk, step_logits)
+            out = self._sample(chunk, step_logits, tops)
             outputs.append(out)
             if not out.finished:
                 ready.append(chunk.request)
@@ -225,15 +234,42 @@ class LLMEngine:
             self.speculator.propose(sched, step_logits, ready)
         return outputs
 
-    def _sample(self, chunk: ScheduledChunk, step: StepLogits) -> RequestOutput:
+    def _step_tops(self, completed: list[ScheduledChunk], step: StepLogits) -> dict[int, RowTops] | None:
+        """Log-softmax and top lists of every sampled row of the step, in one batch (see ``step_tops``)."""
+        if not completed or self.faults is not None:  # faults rewrite rows per request: sample them alone
+            return None
+        owners = [(r, c.request, j) for c in completed for j, r in enumerate(step.sample_rows[c.request.request_id])]
+        rows = [r for r, _, _ in owners]
+        k = max(c.request.params.logprobs or 0 for c in completed)
+        logits = step.logits[torch.tensor(rows, dtype=torch.long, device=step.logits.device)]
+        tops = step_tops(logits, k, self.row_math)
+        # Seeded rows drawn together too - on a GPU only (see draw_rows); row j of a request is its
+        # position num_tokens + j, the key plain decoding uses.
+        seeded = [i for i, (_, req, _) in enumerate(owners) if batchable(req.params)]
+        if seeded and logits.device.type == "cuda":
+            params = [(owners[i][1], owners[i][2]) for i in seeded]
+            tokens = draw_rows(
+                logits[seeded],
+                [req.params.temperature for req, _ in params],
+                [req.seed for req, _ in params],
+                [req.num_tokens + j for req, j in params],
+                self.row_math,
+            )
+            for i, token in zip(seeded, tokens, strict=True):
+                tops[i] = RowTops(tops[i].logprobs, tops[i].top, token)
+        return dict(zip(rows, tops, strict=True))
+
+    def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput:
         req = chunk.request
-        rows = step.logits[step.sample_rows[req.request_id]]
+        row_ids = step.sample_rows[req.request_id]
+        rows = step.logits[row_ids]
         drafts = req.spec_token_ids[: chunk.num_spec]
         acceptance = self.spec.acceptance if self.spec is not None else "match"
         if self.faults is not None:
             rows = self.faults.bias(req, rows, drafts)
+        pre = [tops[r] for r in row_ids] if tops is not None else None
         # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
-        samples, accepted = verify(rows, drafts, req.params, req.seed, req.num_tokens, self.row_math, acceptance)
+        samples, accepted = verify(rows, drafts, req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
         reason = None

@@ -1,15 +1,18 @@
 """Turns a scheduled step into tensors, runs the model, returns logits rows.
 
-Owns the KV tensors: per attention layer a flat ``[num_blocks * block_size + 1,
+Owns the KV tensors: per attention layer a flat ``[num_blocks * block_size + 2,
 kv_heads, head_dim]`` K and V, in the layout the numerics backend asks for (the
 CPU's canonical kernel wants a ones column on V; see ``Ops.new_kv_cache``). The
-extra last slot stays zero forever; the canonical CPU kernel points every key
-past a request's context at it. Step tensors are built on the host and copied
-to the backend's device once per step.
+first extra slot (the null slot) stays zero forever; the canonical CPU kernel
+points every key past a request's context at it. The second is scratch: the
+padding rows of a decode CUDA graph write their K/V there and nothing reads it.
+Step tensors are built on the host and copied to the backend's device once per
+step; pure decode steps replay a CUDA graph (:mod:`kvwarden.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,10 +21,13 @@ import torch
 from kvwarden.cache.paged_kv import PagedKV
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
+from kvwarden.engine.cuda_graphs import DecodeGraphs, graph_capable
 from kvwarden.engine.scheduler import SchedulerOutput
 from kvwarden.layers.attention import SeqAttn
 from kvwarden.models.common import TraceSink
 from kvwarden.models.decoder import DecoderModel, ForwardBatch, SeqSlice
+
+log = logging.getLogger(__name__)
 
 
 class KVCacheView(Protocol):
@@ -77,7 +83,10 @@ class ModelRunner:
         numerics: NumericsConfig,
         states: StatePool | None = None,
         unsafe_host_load: bool = False,
+        graphs: tuple[str, int, int] = ("off", 0, 0),
     ) -> None:
+        """``graphs``: ``(mode, max_model_len, max_num_seqs)`` of the decode CUDA graphs (``mode`` as
+        ``EngineConfig.cuda_graphs``)."""
         self.model = model
         self.states = states
         self.tracer: TraceSink | None = None  # set by tools that trace activations
@@ -87,15 +96,34 @@ class ModelRunner:
         self.ops = model.ops
         self.device = model.ops.device
         self.null_slot = num_blocks * block_size
-        slots = self.null_slot + 1  # the null slot stays all zero
+        slots = self.null_slot + 2  # the null slot stays all zero; the last one is the graphs' scratch
         layers = model.num_attention_layers
         # Layer i's tensors are reached only through kv_caches[i], which waits for its pending host-tier copies.
         self.kv_caches = PagedKV(
             [self.ops.new_kv_cache(slots, heads, dim, model.dtype) for _ in range(layers)], unsafe_host_load
         )
+        self.graphs = self._make_graphs(*graphs)
+
+    def _make_graphs(self, mode: str, max_model_len: int, max_num_seqs: int) -> DecodeGraphs | None:
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        why = graph_capable(self.model)
+        if why is not None:
+            if mode == "emulate":
+                raise ValueError(f"cuda_graphs: 'emulate' needs a graph-capable model; {why}")
+            log.info("decode steps run eagerly: %s", why)
+            return None
+        pad_slot = self.null_slot + 1
+        return DecodeGraphs(
+            self.model, self.kv_caches, pad_slot, self.block_size, max_model_len, max_num_seqs, mode == "auto"
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
+        if self.graphs is not None and self.tracer is None and self.graphs.fits(out.chunks):
+            hidden, logits = self.graphs.run(out.chunks, kv)
+            rows = {c.request.request_id: i for i, c in enumerate(out.chunks)}
+            return StepLogits(logits, {r: [i] for r, i in rows.items()}, {}, hidden, rows)
         entries: list[BatchEntry] = []
         sample_rows: dict[str, list[int]] = {}
         hidden_rows: dict[str, int] = {}

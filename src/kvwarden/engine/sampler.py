@@ -1,10 +1,14 @@
-"""Logprobs, top-k lists and token choice, one row at a time.
+"""Logprobs, top-k lists and token choice.
 
-NOTE(invariance): every row is processed alone, as a ``[1, vocab]`` tensor, so
-its log-softmax, selection and sampling never see batch partners; on a GPU the
-row reductions are the canonical Triton row kernels (:class:`RowMath` is the
-seam). Selections (top-k, sorting) are exact and ties are broken by token id,
-so they are functions of the values alone.
+NOTE(invariance): a row's log-softmax never sees batch partners: on the CPU
+each row is reduced alone, as a ``[1, vocab]`` tensor (torch splits a single
+long row across threads differently from a batch of rows); on a GPU the
+canonical Triton row kernel runs one program per row in a fixed order, so all
+of a step's rows go in one launch (:class:`RowMath` is the seam). Selections
+(top-k, sorting) are exact and ties are broken by token id, so they are
+functions of the values alone and may run on the whole step at once
+(:func:`step_tops`): one launch sequence and one host transfer per step instead
+of several per row.
 
 Seeded sampling uses counter-based randomness: the uniform number of token
 ``i`` at position ``p`` is a hash of ``(seed, p, i)`` - integer arithmetic,
@@ -38,11 +42,28 @@ class Sample:
     top: TopLogprobs
 
 
+@dataclass(frozen=True)
+class RowTops:
+    """One logits row's log-softmax (on the device) and its exact top list, computed for the whole step,
+    and (``token``) its seeded draw when the step drew it with the others."""
+
+    logprobs: torch.Tensor
+    top: TopLogprobs
+    token: int | None = None
+
+
 class RowMath:
     """The row reductions the sampler needs, on ``[1, n]`` float32 rows (PyTorch: the CPU path)."""
 
     def log_softmax(self, row: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(row, dim=-1)
+
+    def log_softmax_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Log-softmax of each row of ``[R, n]``, every row reduced exactly as :meth:`log_softmax` alone."""
+        out = torch.empty_like(rows)
+        for i in range(rows.shape[0]):
+            out[i : i + 1] = self.log_softmax(rows[i : i + 1])
+        return out
 
     def softmax(self, row: torch.Tensor) -> torch.Tensor:
         return torch.softmax(row, dim=-1)
@@ -61,6 +82,10 @@ class TritonRowMath(RowMath):
 
     def log_softmax(self, row: torch.Tensor) -> torch.Tensor:
         return self.rows.log_softmax(row)
+
+    def log_softmax_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        # NOTE(invariance): one program per row, the same reduction order as a [1, n] launch.
+        return self.rows.log_softmax(rows)
 
     def softmax(self, row: torch.Tensor) -> torch.Tensor:
         return self.rows.softmax(row)
@@ -90,15 +115,55 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     return list(zip(ids.tolist(), logprobs[ids].tolist(), strict=True))
 
 
+def step_tops(logits: torch.Tensor, k: int, math: RowMath) -> list[RowTops]:
+    """Log-softmax and the exact top-``k`` list (ties by id) of every row of ``[R, vocab]`` at once.
+
+    Equal to :func:`top_logprobs` per row: a row's candidates are the ids whose
+    value reaches its ``k``-th largest; taking the ``m`` largest of every row,
+    ``m`` the most candidates any row has, keeps all of each row's candidates,
+    and sorting them by id then stably by value puts equal values in id order.
+    """
+    if logits.shape[0] == 0:
+        return []
+    logprobs = math.log_softmax_rows(logits)
+    kk = max(k, 1)
+    threshold = torch.topk(logprobs, kk, dim=-1).values[:, -1:]
+    m = int((logprobs >= threshold).sum(dim=-1).max())  # the one host sync before the lists
+    values, ids = torch.topk(logprobs, m, dim=-1)
+    ids, by_id = torch.sort(ids, dim=-1)
+    values = values.gather(-1, by_id)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)[:, :kk]
+    pairs = zip(ids.tolist(), values[:, :kk].tolist(), strict=True)
+    return [RowTops(logprobs[i], list(zip(i_ids, i_vals, strict=True))) for i, (i_ids, i_vals) in enumerate(pairs)]
+
+
 def sample_row(
-    logits: torch.Tensor, params: SamplingParams, seed: int, position: int, math: RowMath | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    math: RowMath | None = None,
+    pre: RowTops | None = None,
 ) -> Sample:
-    """Choose the token at ``position`` from one row of float32 logits ``[vocab]``."""
+    """Choose the token at ``position`` from one row of float32 logits ``[vocab]``.
+
+    ``pre``: the row's log-softmax and top list from :func:`step_tops` (with at
+    least ``params.logprobs`` entries), saving the per-row work.
+    """
     math = math or RowMath()
     row = logits.view(1, -1)
-    logprobs = math.log_softmax(row)[0]
-    top = top_logprobs(logprobs, params.logprobs or 0)
-    token = top[0][0] if params.greedy else _draw(row[0], params, seed, position, math)
+    if pre is None:
+        logprobs = math.log_softmax(row)[0]
+        top = top_logprobs(logprobs, params.logprobs or 0)
+    else:
+        logprobs, top = pre.logprobs, pre.top
+        if pre.token is not None and not params.greedy:
+            return Sample(token_id=pre.token, logprob=float(logprobs[pre.token]), top=top[: params.logprobs or 0])
+    if params.greedy:
+        token = top[0][0]
+        return Sample(token_id=token, logprob=top[0][1], top=top[: params.logprobs or 0])
+    token = _draw(row[0], params, seed, position, math)
     return Sample(token_id=token, logprob=float(logprobs[token]), top=top[: params.logprobs or 0])
 
 
@@ -121,9 +186,36 @@ def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int
     return draw_from(sampling_probs(logits, params, math), seed, position)
 
 
+def batchable(params: SamplingParams) -> bool:
+    """Seeded sampling with temperature only: :func:`draw_rows` draws it for many rows at once."""
+    return not params.greedy and params.top_k <= 0 and params.top_p >= 1.0
+
+
+def draw_rows(
+    logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int], math: RowMath
+) -> list[int]:
+    """Seeded draws for rows of ``[R, vocab]`` at once: per row exactly ``draw_from(sampling_probs(...))``.
+
+    NOTE(invariance): the same per-element operations as the one-row path - division by the float32
+    temperature, the row-wise softmax (one program per row on a GPU), the counter hash of
+    ``(seed, position, id)``, ``-log(u)`` and the exact maximum with ties to the lowest id - on a
+    GPU, whose element-wise kernels compute each element by the same function wherever it sits.
+    (On the CPU the engine keeps the one-row path: SIMD bodies and scalar tails may differ there.)
+    """
+    temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
+    probs = math.softmax(logits / temps)
+    keys = [_splitmix(_splitmix(seed & _MASK64) ^ (pos & _MASK64)) for seed, pos in zip(seeds, positions, strict=True)]
+    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=logits.device)[:, None]
+    noise = _noise_from_keys(key, logits.shape[1], logits.device)
+    ratio = probs.double() / noise
+    best = ratio == ratio.amax(dim=-1, keepdim=True)
+    return best.to(torch.int8).argmax(dim=-1).tolist()  # the first (lowest) id reaching the maximum
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams, math: RowMath) -> torch.Tensor:
     """The distribution a seeded request samples from: temperature, then top-k, then top-p."""
-    scaled = logits / params.temperature
+    # A float32 divisor, as draw_rows uses: the same rounding of the temperature on every path.
+    scaled = logits / torch.tensor(params.temperature, dtype=logits.dtype, device=logits.device)
     keep = torch.ones_like(scaled, dtype=torch.bool)
     needs_order = (0 < params.top_k < scaled.numel()) or params.top_p < 1.0
     order = torch.sort(scaled, descending=True, stable=True).indices if needs_order else None
@@ -159,8 +251,13 @@ def uniform(seed: int, position: int, stream: int) -> float:
 def exponential_noise(seed: int, position: int, n: int, device: torch.device | str) -> torch.Tensor:
     """``-log(u)`` for ``u`` uniform in (0, 1), one per token id, a pure function of (seed, position, id)."""
     key = _splitmix(_splitmix(seed & _MASK64) ^ (position & _MASK64))
+    return _noise_from_keys(torch.tensor(_signed(key), dtype=torch.int64, device=device), n, device)
+
+
+def _noise_from_keys(key: torch.Tensor, n: int, device: torch.device | str) -> torch.Tensor:
+    """``-log(u)`` for ids ``0..n-1`` under each key (a 0-d key: ``[n]``; keys ``[R, 1]``: ``[R, n]``)."""
     ids = torch.arange(n, dtype=torch.int64, device=device)
-    bits = _mix_tensor(ids * _signed(0x9E3779B97F4A7C15) + _signed(key))
+    bits = _mix_tensor(ids * _signed(0x9E3779B97F4A7C15) + key)
     u = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # 53 random bits, never 0 or 1
     return -torch.log(u)
 

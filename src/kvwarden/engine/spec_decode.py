@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwarden.engine.sampler import RowMath, Sample, draw_from, sample_row, sampling_probs, uniform
+from kvwarden.engine.sampler import RowMath, RowTops, Sample, draw_from, sample_row, sampling_probs, uniform
 from kvwarden.engine.sampling_params import SamplingParams
 
 # Randomness streams of rejection sampling (stream 0 is plain decoding's draw).
@@ -40,6 +40,7 @@ def verify(
     position: int,
     math: RowMath,
     acceptance: str = "match",
+    pre: list[RowTops] | None = None,
 ) -> tuple[list[Sample], int]:
     """Tokens to emit from ``len(drafts) + 1`` rows of logits, and how many drafts were accepted.
 
@@ -50,6 +51,7 @@ def verify(
         position: absolute position of the first token to emit.
         math: the sampler's row reductions.
         acceptance: ``"match"`` or ``"rejection"``.
+        pre: each row's log-softmax and top list, computed for the whole step (optional).
 
     Returns:
         ``(samples, accepted)``: ``accepted`` drafts then one token chosen by the
@@ -58,7 +60,7 @@ def verify(
     out: list[Sample] = []
     for i in range(len(drafts) + 1):
         pos = position + i
-        sample = sample_row(logits[i], params, seed, pos, math)
+        sample = sample_row(logits[i], params, seed, pos, math, pre[i] if pre is not None else None)
         if i < len(drafts) and acceptance == "rejection" and not params.greedy:
             sample = _rejection_step(logits[i], drafts[i], sample, params, seed, pos, math)
         out.append(sample)

@@ -78,6 +78,10 @@ class CudaOps(Ops):
     ) -> torch.Tensor:
         if plan.meta is None:
             return shape_dependent_attention(q, kv[0], kv[1], plan, scale)
+        if not isinstance(plan.meta, dict):  # a decode CUDA graph's step: static shapes need the paged kernel
+            from kvwarden.layers.kernels.attention import paged_attention
+
+            return paged_attention(q, kv[0], kv[1], plan.meta, block_size, scale)
         meta = plan.meta
         others = AttentionPlan(seqs=meta["others"], groups=(), num_rows=plan.num_rows)
         out = shape_dependent_attention(q, kv[0], kv[1], others, scale)  # prefill chunks, one call each

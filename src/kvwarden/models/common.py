@@ -66,6 +66,15 @@ class ForwardBatch:
             self.tracer.record(name, rows, self.seqs)
 
 
+def fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Projections of one input stacked into one weight (and bias: zeros where a part has none)."""
+    fused = torch.cat(weights, dim=0)
+    if all(b is None for b in biases):
+        return fused, None
+    parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)]
+    return fused, torch.cat(parts)
+
+
 def require(get: WeightGetter, name: str) -> torch.Tensor:
     tensor = get(name)
     if tensor is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvwarden.layers.numerics import Ops
-from kvwarden.models.common import WeightGetter, require
+from kvwarden.models.common import WeightGetter, fuse, require
 from kvwarden.models.config import ModelConfig
 
 
@@ -14,14 +14,17 @@ class MLP:
 
     def __init__(self, get: WeightGetter, prefix: str, ops: Ops) -> None:
         self.ops = ops
-        self.w_gate, self.b_gate = require(get, f"{prefix}.gate_proj.weight"), get(f"{prefix}.gate_proj.bias")
-        self.w_up, self.b_up = require(get, f"{prefix}.up_proj.weight"), get(f"{prefix}.up_proj.bias")
+        gate, up = require(get, f"{prefix}.gate_proj.weight"), require(get, f"{prefix}.up_proj.weight")
+        # One GEMM for gate and up (the shape of the fused weight alone picks its tiles).
+        self.w_gate_up, self.b_gate_up = fuse(
+            [gate, up], [get(f"{prefix}.gate_proj.bias"), get(f"{prefix}.up_proj.bias")]
+        )
+        self.inter = gate.shape[0]
         self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), get(f"{prefix}.down_proj.bias")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        gate = ops.linear(h, self.w_gate, self.b_gate)
-        up = ops.linear(h, self.w_up, self.b_up)
+        gate, up = ops.linear(h, self.w_gate_up, self.b_gate_up).split(self.inter, dim=-1)
         return ops.linear(ops.silu_mul(gate, up), self.w_down, self.b_down)
 
 

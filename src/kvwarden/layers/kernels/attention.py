@@ -23,8 +23,12 @@ was chunked:
   of the model (head size, GQA ratio) and the batch-dependent integers are not
   specialised.
 
-The split structure is what a parallel flash-decoding kernel (one program per
-split, then a combine) must reproduce to stay bitwise equal to this one.
+The split structure is what makes the parallel form (flash-decoding: one
+program per split storing its state, then a fold) bitwise equal to the
+sequential one: both compute each split's state with the same function
+(``_split_state``) and fold the states in split order with the same function
+(``_merge``). Which form runs is a speed choice (few query tiles over long
+contexts: parallel), never a numerical one.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ import triton.language as tl
 BLOCK_Q = 16  # query positions per tile (aligned to absolute position)
 BLOCK_N = 32  # keys per tile (aligned to key position 0)
 SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order
+# When splits run in parallel (speed only: the bits are the same either way): launches of fewer
+# (tile, head) programs than this, whose split states fit in this many programs' buffers.
+FEW_PROGRAMS = 512
+PARALLEL_MAX_PROGRAMS = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class AttentionMeta:
         block_tables: ``[requests, max_blocks]`` int32 KV block ids.
         tile_seq, tile_pos0: per query tile, its request and the absolute position
             of its first slot (a multiple of ``BLOCK_Q``).
+        max_keys: the longest context (host-known; chooses parallel splits).
     """
 
     seq_row0: torch.Tensor
@@ -58,6 +67,7 @@ class AttentionMeta:
     block_tables: torch.Tensor
     tile_seq: torch.Tensor
     tile_pos0: torch.Tensor
+    max_keys: int = 0  # the longest context in the step (0: unknown, as in a captured graph)
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str) -> AttentionMeta:
@@ -80,113 +90,191 @@ class AttentionMeta:
             block_tables=t(tables),
             tile_seq=t(tile_seq),
             tile_pos0=t(tile_pos0),
+            max_keys=max((start + nq for _, start, nq, _ in seqs), default=0),
         )
 
 
-@triton.jit(do_not_specialize=["MAXB", "BS"])
-def _attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    seq_row0,
-    seq_start,
-    seq_nq,
-    tables,
-    tile_seq,
-    tile_pos0,
-    MAXB,
-    BS,
-    scale,
-    HQ: tl.constexpr,
-    HKV: tl.constexpr,
-    D: tl.constexpr,
-    REP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BQ: tl.constexpr,
-    BN: tl.constexpr,
-    SPLIT_: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+@triton.jit
+def _split_state(
+    q, k_ptr, v_ptr, tables, seq, MAXB, BS, scale, kvh, qpos, qvalid, kmax, split0,
+    HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_D: tl.constexpr, BN: tl.constexpr,
+    SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax state (max, sum, accumulator) of one split: keys ``[split0, split0 + SPLIT_) & [0, kmax)``."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    n_idx = tl.arange(0, BN)
+    m_s = tl.full((M,), float("-inf"), tl.float32)
+    l_s = tl.zeros((M,), tl.float32)
+    acc_s = tl.zeros((M, BLOCK_D), tl.float32)
+    for k0 in range(split0, tl.minimum(split0 + SPLIT_, kmax), BN):
+        kpos = k0 + n_idx
+        kvalid = kpos < kmax
+        blk = tl.load(tables + seq * MAXB + kpos // BS, mask=kvalid, other=0)
+        slot = (blk * BS + kpos % BS).to(tl.int64)
+        kv_off = (slot * HKV + kvh)[:, None] * D + d[None, :]
+        kv_mask = kvalid[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        visible = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :] & qvalid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_s, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_s - m_use)
+        l_s = l_s * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc_s = acc_s * alpha[:, None] + pv
+        m_s = m_new
+    return m_s, l_s, acc_s
+
+
+@triton.jit
+def _merge(m_t, l_t, acc_t, m_s, l_s, acc_s):
+    """Fold one split's state into the running total (splits are folded in split order)."""
+    m_new = tl.maximum(m_t, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m_t - m_use)
+    b = tl.exp(m_s - m_use)
+    return m_new, l_t * a + l_s * b, acc_t * a[:, None] + acc_s * b[:, None]
+
+
+@triton.jit
+def _tile_rows(
+    tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh,
+    REP: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
+):  # fmt: skip
+    """A query tile's request, rows, heads, positions, validity and visible key count."""
     seq = tl.load(tile_seq + tile)
     pos0 = tl.load(tile_pos0 + tile)
     row0 = tl.load(seq_row0 + seq)
     start = tl.load(seq_start + seq)
     nq = tl.load(seq_nq + seq)
-
-    M: tl.constexpr = BQ * REP
     m_idx = tl.arange(0, M)
-    qi = m_idx // REP
+    qpos = pos0 + m_idx // REP
     head = kvh * REP + m_idx % REP
-    qpos = pos0 + qi
     qvalid = (qpos >= start) & (qpos < start + nq)
     rows = row0 + qpos - start
+    kmax = tl.minimum(pos0 + BQ, start + nq)  # keys any row of this tile can see: [0, kmax)
+    return seq, rows, head, qpos, qvalid, kmax
+
+
+@triton.jit(do_not_specialize=["MAXB", "BS"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, seq_row0, seq_start, seq_nq, tables, tile_seq, tile_pos0, MAXB, BS, scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One program per (query tile, KV head): every split in turn, folded as it finishes."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    M: tl.constexpr = BQ * REP
+    seq, rows, head, qpos, qvalid, kmax = _tile_rows(
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, REP, BQ, M
+    )
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(
-        q_ptr + (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :],
-        mask=qvalid[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    kmax = tl.minimum(pos0 + BQ, start + nq)  # keys any row of this tile can see: [0, kmax)
-    n_idx = tl.arange(0, BN)
-
+    q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=qvalid[:, None] & dmask[None, :], other=0.0)
     m_t = tl.full((M,), float("-inf"), tl.float32)
     l_t = tl.zeros((M,), tl.float32)
     acc_t = tl.zeros((M, BLOCK_D), tl.float32)
     for split0 in range(0, kmax, SPLIT_):
-        m_s = tl.full((M,), float("-inf"), tl.float32)
-        l_s = tl.zeros((M,), tl.float32)
-        acc_s = tl.zeros((M, BLOCK_D), tl.float32)
-        for k0 in range(split0, tl.minimum(split0 + SPLIT_, kmax), BN):
-            kpos = k0 + n_idx
-            kvalid = kpos < kmax
-            blk = tl.load(tables + seq * MAXB + kpos // BS, mask=kvalid, other=0)
-            slot = (blk * BS + kpos % BS).to(tl.int64)
-            kv_off = (slot * HKV + kvh)[:, None] * D + d[None, :]
-            kv_mask = kvalid[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            visible = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :] & qvalid[:, None]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_s, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_s - m_use)
-            l_s = l_s * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc_s = acc_s * alpha[:, None] + pv
-            m_s = m_new
-        # combine this split into the total, in split order
-        m_new = tl.maximum(m_t, m_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m_t - m_use)
-        b = tl.exp(m_s - m_use)
-        l_t = l_t * a + l_s * b
-        acc_t = acc_t * a[:, None] + acc_s * b[:, None]
-        m_t = m_new
+        m_s, l_s, acc_s = _split_state(
+            q, k_ptr, v_ptr, tables, seq, MAXB, BS, scale, kvh, qpos, qvalid, kmax, split0,
+            HKV, D, M, BLOCK_D, BN, SPLIT_, IEEE,
+        )  # fmt: skip
+        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
     out = acc_t / l_t[:, None]
-    tl.store(
-        o_ptr + (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=qvalid[:, None] & dmask[None, :],
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=qvalid[:, None] & dmask[None, :])
+
+
+@triton.jit(do_not_specialize=["MAXB", "BS", "NSPLIT"])
+def _attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, seq_row0, seq_start, seq_nq, tables, tile_seq, tile_pos0,
+    MAXB, BS, NSPLIT, scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One program per (query tile, KV head, split): the split's state, stored for the fold."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    M: tl.constexpr = BQ * REP
+    seq, rows, head, qpos, qvalid, kmax = _tile_rows(
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, REP, BQ, M
     )
+    split0 = split * SPLIT_
+    if split0 < kmax:  # splits past the tile's keys do not exist (the fold stops before them)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=qvalid[:, None] & dmask[None, :], other=0.0)
+        m_s, l_s, acc_s = _split_state(
+            q, k_ptr, v_ptr, tables, seq, MAXB, BS, scale, kvh, qpos, qvalid, kmax, split0,
+            HKV, D, M, BLOCK_D, BN, SPLIT_, IEEE,
+        )  # fmt: skip
+        base = ((tile * HKV + kvh) * NSPLIT + split).to(tl.int64) * M
+        m_idx = tl.arange(0, M)
+        tl.store(m_ptr + base + m_idx, m_s)
+        tl.store(l_ptr + base + m_idx, l_s)
+        tl.store(acc_ptr + (base + m_idx)[:, None] * BLOCK_D + d[None, :], acc_s)
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _attention_fold_kernel(
+    o_ptr, m_ptr, l_ptr, acc_ptr, seq_row0, seq_start, seq_nq, tile_seq, tile_pos0, NSPLIT,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr, SPLIT_: tl.constexpr,
+):  # fmt: skip
+    """One program per (query tile, KV head): the stored split states folded in split order."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    M: tl.constexpr = BQ * REP
+    _seq, rows, head, _qpos, qvalid, kmax = _tile_rows(
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, REP, BQ, M
+    )
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    m_idx = tl.arange(0, M)
+    m_t = tl.full((M,), float("-inf"), tl.float32)
+    l_t = tl.zeros((M,), tl.float32)
+    acc_t = tl.zeros((M, BLOCK_D), tl.float32)
+    for split0 in range(0, kmax, SPLIT_):
+        base = ((tile * HKV + kvh) * NSPLIT + split0 // SPLIT_).to(tl.int64) * M
+        m_s = tl.load(m_ptr + base + m_idx)
+        l_s = tl.load(l_ptr + base + m_idx)
+        acc_s = tl.load(acc_ptr + (base + m_idx)[:, None] * BLOCK_D + d[None, :])
+        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
+    out = acc_t / l_t[:, None]
+    q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=qvalid[:, None] & dmask[None, :])
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, block_size: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMeta,
+    block_size: int,
+    scale: float,
+    parallel_splits: bool | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``."""
+    """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``.
+
+    ``parallel_splits``: run each fixed split in its own program and fold them
+    after (flash-decoding), or walk them in one program; ``None`` chooses by the
+    launch (few tiles over long contexts: in parallel). Both give the same bits:
+    the same split states, folded in the same order by the same function.
+    """
     q = q.contiguous()
     rows, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -196,11 +284,31 @@ def paged_attention(
         return out
     rep = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
-    _attention_kernel[(tiles, hkv)](
-        q, k_cache, v_cache, out,
+    const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, BLOCK_D=block_d, BQ=BLOCK_Q)
+    ieee = q.dtype == torch.float32
+    nsplit = -(-meta.max_keys // SPLIT) if meta.max_keys else 0
+    if parallel_splits is None:
+        parallel_splits = nsplit > 1 and tiles * hkv * nsplit <= PARALLEL_MAX_PROGRAMS and tiles * hkv < FEW_PROGRAMS
+    if not parallel_splits or nsplit < 1:
+        _attention_kernel[(tiles, hkv)](
+            q, k_cache, v_cache, out,
+            meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
+            meta.block_tables.shape[1], block_size, scale,
+            **const, BN=BLOCK_N, SPLIT_=SPLIT, IEEE=ieee, num_warps=4, num_stages=2,
+        )  # fmt: skip
+        return out
+    m = BLOCK_Q * rep
+    m_buf = torch.empty((tiles * hkv * nsplit * m,), dtype=torch.float32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    acc_buf = torch.empty((tiles * hkv * nsplit * m, block_d), dtype=torch.float32, device=q.device)
+    _attention_split_kernel[(tiles, hkv, nsplit)](
+        q, k_cache, v_cache, m_buf, l_buf, acc_buf,
         meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
-        meta.block_tables.shape[1], block_size, scale,
-        HQ=hq, HKV=hkv, D=d, REP=rep, BLOCK_D=block_d, BQ=BLOCK_Q, BN=BLOCK_N, SPLIT_=SPLIT,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        meta.block_tables.shape[1], block_size, nsplit, scale,
+        **const, BN=BLOCK_N, SPLIT_=SPLIT, IEEE=ieee, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _attention_fold_kernel[(tiles, hkv)](
+        out, m_buf, l_buf, acc_buf, meta.seq_row0, meta.seq_start, meta.seq_nq, meta.tile_seq, meta.tile_pos0,
+        nsplit, **const, SPLIT_=SPLIT, num_warps=4,
     )  # fmt: skip
     return out

@@ -3,8 +3,9 @@
 NOTE(invariance), by construction:
 
 * The tile configuration (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, warps,
-  stages) is a function of the weight's shape ``(N, K)`` only
-  (:func:`gemm_config`). The number of rows ``M`` changes the grid, never the
+  stages) is a function of the weight's shape ``(N, K)``, the dtype and the
+  GPU model only (:func:`gemm_config`: a measured table, ``gemm_tuned.json``,
+  else a fixed rule). The number of rows ``M`` changes the grid, never the
   kernel: a row computed in a 1-row decode and in a 4000-row prefill runs the
   same compiled code (``M`` is not specialised).
 * No split-K: one program owns an output tile and walks ``K`` from 0 upwards in
@@ -23,8 +24,11 @@ backs ``numerics="shape-dependent"``.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -46,8 +50,30 @@ class GemmConfig:
     num_stages: int
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """The one tile configuration for a weight of shape ``[n, k]`` (never depends on the row count)."""
+def tuned_key(n: int, k: int, dtype: torch.dtype) -> str:
+    return f"{n}x{k}:{str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def tuned_table(device_name: str) -> dict[str, GemmConfig]:
+    """Tile configurations measured for one GPU model (``bench/tune_gemm.py`` writes them).
+
+    Read once per process from ``KVWARDEN_GEMM_TABLE`` or the packaged ``gemm_tuned.json``: a table
+    fixed for the life of the engine keeps every weight's configuration fixed.
+    """
+    path = Path(os.environ.get("KVWARDEN_GEMM_TABLE") or Path(__file__).with_name("gemm_tuned.json"))
+    if not path.is_file():
+        return {}
+    entries = json.loads(path.read_text()).get(device_name, {}).get("shapes", {})
+    return {key: GemmConfig(**cfg) for key, cfg in entries.items()}
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype, device_name: str = "") -> GemmConfig:
+    """The one tile configuration for a weight of shape ``[n, k]`` (never depends on the row count):
+    the tuned one for this GPU model when ``gemm_tuned.json`` has it, else a fixed rule."""
+    tuned = tuned_table(device_name).get(tuned_key(n, k, dtype)) if device_name else None
+    if tuned is not None:
+        return tuned
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     block_n = 128 if n >= 4096 else 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     if dtype == torch.float32:  # ieee fp32 dots need more registers per element
@@ -99,6 +125,11 @@ def _linear_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias)`` in ``x``'s dtype, row-invariant by construction."""
     if x.stride(-1) != 1:
@@ -109,7 +140,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = gemm_config(n, k, x.dtype)
+    cfg = gemm_config(n, k, x.dtype, _device_name(x.device))
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _linear_kernel[grid](
         x,
