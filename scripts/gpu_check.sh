@@ -8,11 +8,11 @@
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
 #   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
-#   scripts/gpu_check.sh full speed                   # bench/gpu.py (issue 13's table; each part in its own process)
+#   scripts/gpu_check.sh full speed                   # issue 13's table in one call: speedoffline, speedrows, profile
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows + profile only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows (throughput,
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile (throughput,
 # spec and speed* in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -107,20 +107,24 @@ speed() {  # $1: log name, then bench/gpu.py flags
   timeout 560 python3 bench/gpu.py "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 70
   tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
 }
-if [ "$MODE" = full ] && want speed; then
-  stage "speed: offline throughput vs the bandwidth floor, decode by batch, TTFT cold and warm, canonical vs fast path"
-  speed gpu_speed --num-requests "${SPEED_REQUESTS:-64}" --profile
-  record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
+if [ "$MODE" = full ] && want speed; then  # the whole of issue 13's table in one call: the two halves and the profile
+  STAGES="$STAGES speedoffline speedrows profile "
 fi
 if [ "$MODE" = full ] && want speedoffline; then
   stage "speed, offline half: nano-vllm's workload (${SPEED_REQUESTS:-256} sequences) and the kernel profile"
-  speed gpu_speed_offline --num-requests "${SPEED_REQUESTS:-256}" --skip-rows --profile
+  speed gpu_speed_offline --num-requests "${SPEED_REQUESTS:-256}" --skip-rows
   record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_offline.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want speedrows; then
   stage "speed, rows half: decode by batch (graphs vs eager), TTFT cold and warm, dense and hybrid"
   speed gpu_speed_rows --skip-offline ${SPEED_ROWS_ARGS:-}
   record "speed: decode b1/b256 canonical tok/s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_rows.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want profile; then
+  stage "where time goes: one prefill chunk and one decode step, kernel groups beside their ceilings"
+  timeout 200 python3 bench/gpu_profile.py 2>&1 | tee "$OUT/gpu_profile.log" | grep -v -e '^{' -e USDT | tail -n 30
+  tail -n 1 "$OUT/gpu_profile.log" > "$OUT/gpu_profile.json"
+  record "profile: decode step ms (eager, graph)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_profile.json')); print(round(d['decode_step_s_eager'] * 1e3, 2), round(d['decode_step_s_graph'] * 1e3, 2))" 2>&1 | tail -n 1)"
 fi
 
 if want hosttier; then

@@ -131,7 +131,10 @@ class LLM:
                 raise ValueError(f"params: {len(per_prompt)} given for {len(prompts)} prompts")
         for p in prompts:  # validate all before queueing any
             self.engine.tokenize(p)
-        ids = [self.engine.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, per_prompt, strict=True)]
+        ids = [
+            self.engine.add_request(p, sp, cache_salt=cache_salt, final_only=True)
+            for p, sp in zip(prompts, per_prompt, strict=True)
+        ]
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         with Progress(disable=not use_tqdm, transient=True) as progress:

@@ -153,12 +153,15 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         capture_logits: bool = False,
+        final_only: bool = False,
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` for bad input.
 
         ``capture_logits`` returns the float32 logits of every prompt position in
         the output (see :meth:`kvwarden.LLM.score`); like prompt logprobs it
         disables prefix hits for the request, as cached positions have no logits.
+        ``final_only``: :meth:`step` returns the request's output only when it
+        finishes (saves copying its lists and decoding its text every step).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -179,6 +182,7 @@ class LLMEngine:
             params=params,
             seed=seed,
             capture_logits=capture_logits,
+            final_only=final_only,
             spec_stats=SpecStats() if self.spec is not None else None,
         )
         if params.prompt_logprobs is not None:
@@ -227,8 +231,9 @@ class LLMEngine:
             if self.faults is not None:
                 self._inject(chunk.request)
             out = self._sample(chunk, step_logits, tops)
-            outputs.append(out)
-            if not out.finished:
+            if out is not None:
+                outputs.append(out)
+            if not chunk.request.is_finished:
                 ready.append(chunk.request)
         if self.speculator is not None:
             self.speculator.propose(sched, step_logits, ready)
@@ -259,7 +264,7 @@ class LLMEngine:
                 tops[i] = RowTops(tops[i].logprobs, tops[i].top, token)
         return dict(zip(rows, tops, strict=True))
 
-    def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput:
+    def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput | None:
         req = chunk.request
         row_ids = step.sample_rows[req.request_id]
         rows = step.logits[row_ids]
@@ -287,6 +292,8 @@ class LLMEngine:
         req.spec_token_ids = []
         if reason is not None:
             return self._finish(req, reason)
+        if req.final_only:
+            return None
         return RequestOutput.of(req, self._prompts.get(req.request_id))
 
     def _inject(self, req: Request) -> None:
@@ -325,6 +332,8 @@ class LLMEngine:
         return self._release(req)
 
     def _release(self, req: Request) -> RequestOutput:
+        if req.final_only and not req.params.stop:  # its text was left for the end
+            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
         out = RequestOutput.of(req, self._prompts.pop(req.request_id, None))
         del self.requests[req.request_id]
         req.spec_token_ids = []

@@ -41,6 +41,9 @@ class Request(CacheView):
         stop_reason: the stop string or token id that ended generation.
         capture_logits: keep the float32 logits of every prompt position in
             ``prompt_logits`` (for :meth:`kvwarden.LLM.score` and the tools).
+        final_only: the caller wants the finished output only (offline
+            ``generate``): no output per step, and without stop strings the
+            text is decoded once, at the end.
         spec_token_ids: draft tokens proposed for the next step. NOTE(invariant):
             they never enter ``all_token_ids`` (so never a block hash or the
             prefix cache) until the target has chosen the same token there.
@@ -61,6 +64,7 @@ class Request(CacheView):
     stop_reason: str | int | None = None
     text: str = ""
     capture_logits: bool = False
+    final_only: bool = False
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_stats: SpecStats | None = None
