@@ -131,6 +131,15 @@ class TritonOps(CudaOps):
         shape = x.shape
         return self.k_rows.rms_norm(x.reshape(-1, shape[-1]), weight, eps)[0].view(shape)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE(invariance): the kernel rounds residual + x to the model's dtype before normalising, exactly
+        # as the separate add would; one program per row as the plain norm.
+        y, h = self.k_rows.rms_norm(x, weight, eps, residual)
+        assert h is not None
+        return y, h
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.k_pointwise.silu_mul(gate, up)
 

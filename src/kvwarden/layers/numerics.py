@@ -95,6 +95,14 @@ class Ops:
         """RMSNorm over the last dimension, computed in float32."""
         return self.rows(lambda t: _rms_norm(t, weight, eps), x)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + x`` (rounded to the model's dtype, as a separate add would) and ``rms_norm(h)``;
+        returns ``(normed, h)``. The GPU backend fuses the two into one kernel."""
+        h = residual + x
+        return self.rms_norm(h, weight, eps), h
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` (SwiGLU)."""
         return self.pointwise(torch.nn.functional.silu, gate) * up

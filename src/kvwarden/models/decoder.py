@@ -53,22 +53,36 @@ class DecoderLayer:
         self.state_index = -1  # index into the state pool (recurrent layers)
 
     def __call__(
-        self, h: torch.Tensor, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, out)``: the residual stream and this layer's scaled FFN output, not yet added.
+
+        ``pending`` is the previous layer's such output: each residual add is
+        done inside the next RMSNorm (``Ops.add_rms_norm``; one kernel on a GPU),
+        rounded to the model's dtype exactly as a separate add.
+        """
         eps, r = self.cfg.rms_norm_eps, self.cfg.residual_multiplier
-        x = self.ops.rms_norm(h, self.input_norm, eps)
+        if pending is None:
+            x = self.ops.rms_norm(h, self.input_norm, eps)
+        else:
+            x, h = self.ops.add_rms_norm(pending, h, self.input_norm, eps)
         batch.trace(f"{self.name}.input_norm", x)
         if self.kind == ATTENTION:
             mixed = self.mixer(x, batch, kv[self.kv_index])
         else:
             mixed = self.mixer(x, batch, self.state_index)
         batch.trace(f"{self.name}.mixer", mixed)
-        h = h + mixed * r if r != 1.0 else h + mixed
-        out = self.ffn(self.ops.rms_norm(h, self.post_norm, eps))
+        x, h = self.ops.add_rms_norm(mixed * r if r != 1.0 else mixed, h, self.post_norm, eps)
+        out = self.ffn(x)
         batch.trace(f"{self.name}.ffn", out)
-        h = h + out * r if r != 1.0 else h + out
-        batch.trace(f"{self.name}.out", h)
-        return h
+        out = out * r if r != 1.0 else out
+        if batch.tracer is not None:  # the stream after the layer, as the next norm will form it
+            batch.trace(f"{self.name}.out", h + out)
+        return h, out
 
 
 class DecoderModel:
@@ -111,9 +125,13 @@ class DecoderModel:
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
         batch.trace("embed", h)
+        pending = None
         for layer in self.layers:
-            h = layer(h, batch, kv_caches)
-        h = self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+            h, pending = layer(h, batch, kv_caches, pending)
+        if pending is None:
+            h = self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        else:
+            h = self.ops.add_rms_norm(pending, h, self.norm, self.cfg.rms_norm_eps)[0]
         batch.trace("final_norm", h)
         return h
 

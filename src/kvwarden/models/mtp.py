@@ -44,8 +44,8 @@ class MtpHead:
         embedded = ops.rms_norm(self.target.embed[batch.input_ids], self.norm_embed, eps)
         h = ops.rms_norm(hidden.to(embedded.dtype), self.norm_hidden, eps)
         x = ops.linear(torch.cat([embedded, h], dim=-1), self.fc)
-        x = self.layer(x, batch, kv)
-        return ops.rms_norm(x, self.norm, eps)
+        h, out = self.layer(x, batch, kv)
+        return ops.add_rms_norm(out, h, self.norm, eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.logits(hidden)
