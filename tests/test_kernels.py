@@ -130,6 +130,28 @@ def test_rotary_matches_the_table_formula(rot: int) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [16, 8])
+def test_rotary_fused_with_the_kv_write_gives_the_same_bits(dtype: torch.dtype, rot: int) -> None:
+    """q/k/v as strided views of one fused projection; the fused kernel against rotary then a slot write."""
+    g = gen(6)
+    rope = RotaryEmbedding(16, rot, {"rope_type": "default", "rope_theta": 10000.0}, 64)
+    cos, sin = rope.cos[:, :rot].contiguous().to(DEVICE), rope.sin[:, :rot].contiguous().to(DEVICE)
+    tokens, hq, hkv, d = 5, 4, 2, 16
+    qkv = rand(g, tokens, (hq + 2 * hkv) * d, dtype=dtype)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    pos = torch.tensor([0, 7, 8, 40, 63], device=DEVICE)
+    slots = torch.tensor([9, 2, 30, 17, 4], device=DEVICE)
+    k_cache, v_cache = (torch.zeros(32, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    q_out = rotary.rope_write_kv(q, k, v, pos, cos, sin, k_cache, v_cache, slots)
+    assert same(q_out, rotary.apply_rotary(q, pos, cos, sin))
+    assert same(k_cache[slots], rotary.apply_rotary(k, pos, cos, sin))
+    assert same(v_cache[slots], v.contiguous())
+    untouched = torch.ones(32, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
 def _paged(g: torch.Generator, lengths: list[int], hkv: int, d: int, block: int, dtype: torch.dtype):
     """K/V for several requests in a shuffled pool of blocks."""
     total_blocks = sum(-(-n // block) for n in lengths) + 3

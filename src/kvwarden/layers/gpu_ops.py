@@ -167,6 +167,20 @@ class TritonOps(CudaOps):
     def rope(self, rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.k_rotary.apply_rotary(x, positions, rope.cos, rope.sin)
 
+    def rope_write_kv(
+        self,
+        rope: RotaryEmbedding | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        if rope is None or kv[0].dtype != k.dtype:
+            return super().rope_write_kv(rope, q, k, v, positions, kv, slots)
+        return self.k_rotary.rope_write_kv(q, k, v, positions, rope.cos, rope.sin, kv[0], kv[1], slots)
+
     # ------------------------------------------------------------------- attention
     def attention_plan(
         self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int

@@ -145,6 +145,23 @@ class Ops:
         """Rotary embedding of ``x [tokens, heads, head_dim]`` at absolute ``positions``."""
         return rope.apply(x, positions)
 
+    def rope_write_kv(
+        self,
+        rope: RotaryEmbedding | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate ``q`` and ``k`` (when the model uses rope), write K/V at ``slots``; returns rotated ``q``.
+        The GPU backend does all of it in one kernel."""
+        if rope is not None:
+            q, k = self.rope(rope, q, positions), self.rope(rope, k, positions)
+        self.write_kv(kv, slots, k, v)
+        return q
+
     # Attention over the paged cache: its layout, writes, per-step plan and kernel.
     def new_kv_cache(self, slots: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K ``[slots, heads, dim]`` and V ``[slots, heads, dim + 1]``: V carries a ones column so the

@@ -48,13 +48,16 @@ class AttentionBlock:
         if self.q_norm is not None and self.k_norm is not None:
             q = ops.rms_norm(q.reshape(-1, d), self.q_norm, cfg.rms_norm_eps).view(q.shape)
             k = ops.rms_norm(k.reshape(-1, d), self.k_norm, cfg.rms_norm_eps).view(k.shape)
-        if self.rope is not None:
-            q = ops.rope(self.rope, q, batch.positions)
-            k = ops.rope(self.rope, k, batch.positions)
-        batch.trace(f"{self.name}.q", q)
-        batch.trace(f"{self.name}.k", k)
-        batch.trace(f"{self.name}.v", v)
-        ops.write_kv(kv, batch.slot_mapping, k, v)
+        if batch.tracer is None:
+            q = ops.rope_write_kv(self.rope, q, k, v, batch.positions, kv, batch.slot_mapping)
+        else:  # the same steps one by one, so that rotated K can be recorded
+            if self.rope is not None:
+                q = ops.rope(self.rope, q, batch.positions)
+                k = ops.rope(self.rope, k, batch.positions)
+            batch.trace(f"{self.name}.q", q)
+            batch.trace(f"{self.name}.k", k)
+            batch.trace(f"{self.name}.v", v)
+            ops.write_kv(kv, batch.slot_mapping, k, v)
         k_cache, v_cache = kv
         if batch.tracer is not None:  # the context as read, cached positions included
             for seq, attn_seq in zip(batch.seqs, batch.plan.seqs, strict=True):
