@@ -214,6 +214,15 @@ def test_attention_is_the_same_for_prefill_chunks_decode_and_batch(
     assert same(mixed[10:], run([(1, 0, 23)]))
 
 
+def test_precompile_runs_both_forms_and_they_agree() -> None:
+    g = gen(8)
+    k, v = (rand(g, 4 * 16 + 2, 2, 16) for _ in range(2))
+    walked, parallel = attention.precompile(4, k, v, 16)  # block 0 only, over two splits
+    assert same(walked, parallel)
+    ref = _reference(torch.ones(1, 4, 16), k, v, [0] * 65, 16, attention.SPLIT, 1.0)
+    assert close(walked, ref, torch.float32)
+
+
 def _gated_delta_inputs(g: torch.Generator, n: int, hv: int, dk: int, dv: int):
     q = torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=g), dim=-1) * dk**-0.5
     k = torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=g), dim=-1)

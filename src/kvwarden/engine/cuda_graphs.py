@@ -187,6 +187,10 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ capture
     def _capture_all(self) -> None:
+        from kvwarden.layers.kernels.attention import precompile
+
+        if len(self.kv):  # the eager prefill kernels too: no request pays a first-use compile
+            precompile(self.model.cfg.num_attention_heads, *self.kv.raw(0), self.block_size)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self.longs[2, :size] = self.pad_slot

@@ -312,3 +312,20 @@ def paged_attention(
         nsplit, **const, SPLIT_=SPLIT, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def precompile(
+    hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compile both forms of the kernel for a model's shapes before the first request needs them.
+
+    A first prefix hit over more than one split would otherwise pay the parallel form's compile
+    (about half a second) inside its time to first token. Reads block 0 only; returns the walked
+    and the parallel output of one query over ``SPLIT + 1`` keys (callers drop them).
+    """
+    d = k_cache.shape[2]
+    q = torch.ones((1, hq, d), dtype=k_cache.dtype, device=k_cache.device)
+    blocks = -(-(SPLIT + 1) // block_size)
+    meta = AttentionMeta.build([(0, SPLIT, 1, [0] * blocks)], k_cache.device)
+    walked = paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=False)
+    return walked, paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=True)
