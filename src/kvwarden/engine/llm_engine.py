@@ -12,8 +12,6 @@ import itertools
 import random
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kvwarden.cache.block_pool import BlockPool
 from kvwarden.cache.host_tier import HostTier, host_pool_for
 from kvwarden.cache.hybrid_manager import HybridCacheManager
@@ -25,11 +23,12 @@ from kvwarden.engine.memory import cache_budget
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import RowTops, batchable, draw_rows, prompt_logprob_rows, row_math_for, step_tops
+from kvwarden.engine.sampler import RowTops, row_math_for
 from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvwarden.engine.scheduler import ScheduledChunk, Scheduler
 from kvwarden.engine.spec_decode import verify
 from kvwarden.engine.spec_stats import SpecStats
+from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
 from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
@@ -224,8 +223,9 @@ class LLMEngine:
                 self.host.end_step()  # no copy outlives its step: blocks may change hands after this
         self.num_steps += 1
         completed = self.scheduler.update(sched)
-        self._record_prompt_scores(sched, step_logits)
-        tops = self._step_tops(completed, step_logits)
+        record_prompt_scores(sched, step_logits, self.row_math)
+        # faults rewrite rows per request: those steps sample row by row
+        tops = row_tops(completed, step_logits, self.row_math) if self.faults is None else None
         ready = []
         for chunk in completed:
             if self.faults is not None:
@@ -238,31 +238,6 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(sched, step_logits, ready)
         return outputs
-
-    def _step_tops(self, completed: list[ScheduledChunk], step: StepLogits) -> dict[int, RowTops] | None:
-        """Log-softmax and top lists of every sampled row of the step, in one batch (see ``step_tops``)."""
-        if not completed or self.faults is not None:  # faults rewrite rows per request: sample them alone
-            return None
-        owners = [(r, c.request, j) for c in completed for j, r in enumerate(step.sample_rows[c.request.request_id])]
-        rows = [r for r, _, _ in owners]
-        k = max(c.request.params.logprobs or 0 for c in completed)
-        logits = step.logits[torch.tensor(rows, dtype=torch.long, device=step.logits.device)]
-        tops = step_tops(logits, k, self.row_math)
-        # Seeded rows drawn together too - on a GPU only (see draw_rows); row j of a request is its
-        # position num_tokens + j, the key plain decoding uses.
-        seeded = [i for i, (_, req, _) in enumerate(owners) if batchable(req.params)]
-        if seeded and logits.device.type == "cuda":
-            params = [(owners[i][1], owners[i][2]) for i in seeded]
-            tokens = draw_rows(
-                logits[seeded],
-                [req.params.temperature for req, _ in params],
-                [req.seed for req, _ in params],
-                [req.num_tokens + j for req, j in params],
-                self.row_math,
-            )
-            for i, token in zip(seeded, tokens, strict=True):
-                tops[i] = RowTops(tops[i].logprobs, tops[i].top, token)
-        return dict(zip(rows, tops, strict=True))
 
     def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput | None:
         req = chunk.request
@@ -303,29 +278,6 @@ class LLMEngine:
         block_size = self.config.cache.block_size
         for block in self.faults.after_prefill(req, blocks, self.runner.kv_caches, block_size):
             self.pool.forget(block)
-
-    def _record_prompt_scores(self, sched: SchedulerOutput, step: StepLogits) -> None:
-        for chunk in sched.chunks:
-            req = chunk.request
-            entry = step.prompt_rows.get(req.request_id)
-            if entry is None:
-                continue
-            first, rows = entry
-            if req.capture_logits:
-                # Positions recorded before a preemption are recomputed identically; skip them.
-                have = len(req.prompt_logits)
-                req.prompt_logits.extend(step.logits[r].cpu() for r in rows[max(0, have - first) :])
-            k = req.params.prompt_logprobs
-            if k is None:
-                continue
-            # prompt_logprobs[j] scores token j (entry 0 is None), from the row of position j-1.
-            usable = rows[: max(0, req.num_prompt_tokens - 1 - first)]
-            skip = max(0, len(req.prompt_logprobs) - 1 - first)
-            usable = usable[skip:]
-            if usable:
-                start = first + skip
-                next_tokens = req.prompt_token_ids[start + 1 : start + 1 + len(usable)]
-                req.prompt_logprobs.extend(prompt_logprob_rows(step.logits[usable], next_tokens, k, self.row_math))
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(req, reason)
