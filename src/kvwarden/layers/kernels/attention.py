@@ -150,9 +150,10 @@ def _merge(m_t, l_t, acc_t, m_s, l_s, acc_s):
 @triton.jit
 def _tile_rows(
     tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh,
-    REP: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
 ):  # fmt: skip
-    """A query tile's request, rows, heads, positions, validity and visible key count."""
+    """A query tile's request, positions, validity and visible key count, and where its ``[M, BLOCK_D]``
+    block of q (and of the output) lies: offsets and mask."""
     seq = tl.load(tile_seq + tile)
     pos0 = tl.load(tile_pos0 + tile)
     row0 = tl.load(seq_row0 + seq)
@@ -164,7 +165,10 @@ def _tile_rows(
     qvalid = (qpos >= start) & (qpos < start + nq)
     rows = row0 + qpos - start
     kmax = tl.minimum(pos0 + BQ, start + nq)  # keys any row of this tile can see: [0, kmax)
-    return seq, rows, head, qpos, qvalid, kmax
+    d = tl.arange(0, BLOCK_D)
+    q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
+    q_mask = qvalid[:, None] & (d < D)[None, :]
+    return seq, qpos, qvalid, kmax, q_off, q_mask
 
 
 @triton.jit(do_not_specialize=["MAXB", "BS"])
@@ -177,13 +181,10 @@ def _attention_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     M: tl.constexpr = BQ * REP
-    seq, rows, head, qpos, qvalid, kmax = _tile_rows(
-        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, REP, BQ, M
+    seq, qpos, qvalid, kmax, q_off, q_mask = _tile_rows(
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, BLOCK_D, BQ, M
     )
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=qvalid[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     m_t = tl.full((M,), float("-inf"), tl.float32)
     l_t = tl.zeros((M,), tl.float32)
     acc_t = tl.zeros((M, BLOCK_D), tl.float32)
@@ -194,7 +195,7 @@ def _attention_kernel(
         )  # fmt: skip
         m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
     out = acc_t / l_t[:, None]
-    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=qvalid[:, None] & dmask[None, :])
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["MAXB", "BS", "NSPLIT"])
@@ -209,15 +210,12 @@ def _attention_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     M: tl.constexpr = BQ * REP
-    seq, rows, head, qpos, qvalid, kmax = _tile_rows(
-        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, REP, BQ, M
+    seq, qpos, qvalid, kmax, q_off, q_mask = _tile_rows(
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, BLOCK_D, BQ, M
     )
     split0 = split * SPLIT_
     if split0 < kmax:  # splits past the tile's keys do not exist (the fold stops before them)
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=qvalid[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
         m_s, l_s, acc_s = _split_state(
             q, k_ptr, v_ptr, tables, seq, MAXB, BS, scale, kvh, qpos, qvalid, kmax, split0,
             HKV, D, M, BLOCK_D, BN, SPLIT_, IEEE,
@@ -226,7 +224,7 @@ def _attention_split_kernel(
         m_idx = tl.arange(0, M)
         tl.store(m_ptr + base + m_idx, m_s)
         tl.store(l_ptr + base + m_idx, l_s)
-        tl.store(acc_ptr + (base + m_idx)[:, None] * BLOCK_D + d[None, :], acc_s)
+        tl.store(acc_ptr + (base + m_idx)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], acc_s)
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
@@ -239,11 +237,10 @@ def _attention_fold_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     M: tl.constexpr = BQ * REP
-    _seq, rows, head, _qpos, qvalid, kmax = _tile_rows(
-        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, REP, BQ, M
+    _seq, _qpos, _qvalid, kmax, q_off, q_mask = _tile_rows(
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, BLOCK_D, BQ, M
     )
     d = tl.arange(0, BLOCK_D)
-    dmask = d < D
     m_idx = tl.arange(0, M)
     m_t = tl.full((M,), float("-inf"), tl.float32)
     l_t = tl.zeros((M,), tl.float32)
@@ -255,8 +252,7 @@ def _attention_fold_kernel(
         acc_s = tl.load(acc_ptr + (base + m_idx)[:, None] * BLOCK_D + d[None, :])
         m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
     out = acc_t / l_t[:, None]
-    q_off = (rows.to(tl.int64) * HQ + head)[:, None] * D + d[None, :]
-    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=qvalid[:, None] & dmask[None, :])
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
 def paged_attention(
