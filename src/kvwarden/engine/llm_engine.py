@@ -242,7 +242,7 @@ class LLMEngine:
     def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput | None:
         req = chunk.request
         row_ids = step.sample_rows[req.request_id]
-        rows = step.logits[row_ids]
+        rows = step.logits[row_ids[0] : row_ids[-1] + 1]  # consecutive (StepLogits): a view, no gather per request
         drafts = req.spec_token_ids[: chunk.num_spec]
         acceptance = self.spec.acceptance if self.spec is not None else "match"
         if self.faults is not None:

@@ -43,7 +43,8 @@ class StepLogits:
     Attributes:
         logits: ``[rows, vocab]`` float32.
         sample_rows: request id -> rows whose logits give its next token, then
-            (when it carried drafts) the token after each draft token.
+            (when it carried drafts) the token after each draft token; always
+            consecutive rows.
         prompt_rows: request id -> (first prompt position, logits rows) for
             requests that want scores of their prompt positions.
         hidden: ``[batch rows, hidden]`` final hidden states of every row (the

@@ -22,7 +22,10 @@ def row_tops(completed: list[ScheduledChunk], step: StepLogits, math: RowMath) -
     owners = [(r, c.request, j) for c in completed for j, r in enumerate(step.sample_rows[c.request.request_id])]
     rows = [r for r, _, _ in owners]
     k = max(c.request.params.logprobs or 0 for c in completed)
-    logits = step.logits[torch.tensor(rows, dtype=torch.long, device=step.logits.device)]
+    if rows == list(range(step.logits.shape[0])):  # every row, in order (a decode step): no copy
+        logits = step.logits
+    else:
+        logits = step.logits[torch.tensor(rows, dtype=torch.long, device=step.logits.device)]
     tops = step_tops(logits, k, math)
     # Seeded rows drawn together too - on a GPU only (see draw_rows); row j of a request is its
     # position num_tokens + j, the key plain decoding uses.
