@@ -8,8 +8,9 @@
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
 #   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
-#   scripts/gpu_check.sh full speed                   # issue 13's table in one call: speedoffline, speedrows, profile
-#   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows + profile only
+#   scripts/gpu_check.sh full speed                   # issue 13's whole table, one bench/gpu.py run (~9.5 min alone)
+#   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
+#   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
 #
 # Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile (throughput,
@@ -104,11 +105,15 @@ fi
 
 speed() {  # $1: log name, then bench/gpu.py flags
   local name=$1; shift
-  timeout 560 python3 bench/gpu.py "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 70
+  timeout "${SPEED_TIMEOUT:-585}" python3 bench/gpu.py "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 70
   tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
 }
-if [ "$MODE" = full ] && want speed; then  # the whole of issue 13's table in one call: the two halves and the profile
-  STAGES="$STAGES speedoffline speedrows profile "
+if [ "$MODE" = full ] && want speed; then  # issue 13's whole table: one bench/gpu.py run (~9.5 min)
+  stage "speed: offline (${SPEED_REQUESTS:-256} sequences), decode by batch, TTFT, dense and hybrid, in one run"
+  speed gpu_speed --num-requests "${SPEED_REQUESTS:-256}" ${SPEED_ROWS_ARGS:-}
+  record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
+  record "speed: decode tok/s canonical (dense b1..b256, hybrid)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+  record "speed: TTFT 16K cold/warm s (canonical)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print([(r['cold_s'], r['warm_s']) for r in d['ttft'] if r['engine'] == 'canonical' and r['prompt'] == 16384])" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want speedoffline; then
   stage "speed, offline half: nano-vllm's workload (${SPEED_REQUESTS:-256} sequences) and the kernel profile"
