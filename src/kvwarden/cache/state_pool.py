@@ -123,6 +123,10 @@ class StatePool:
     def _working_tensors(self) -> list[torch.Tensor]:
         return [*self.conv, *self.ssm, *self.pending]
 
+    def transfer_tensors(self) -> list[torch.Tensor]:
+        """Every working-state tensor (a slot's unit in each): what disaggregated serving moves."""
+        return self._working_tensors()
+
     def views(self, request_id: str, layer: int) -> tuple[torch.Tensor, ScanState]:
         """(conv window, scan state) of a request's working slot for one layer."""
         slot = self.working[request_id]

@@ -20,6 +20,9 @@ from kvwarden.commands.engine_args import add_engine_args
 if TYPE_CHECKING:
     import uvicorn
 
+    from kvwarden.server.async_engine import AsyncEngine
+    from kvwarden.server.pd_routes import PDRoles
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -49,8 +52,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=(
             "TESTING ONLY, breaks the engine on purpose: kv-corruption=RATE (share of requests whose KV is "
             "overwritten with noise after prefill), repetition=RATE (share forced into a loop), fault-seed=N, "
-            "engine-crash-after-steps=N; repeatable; shown in /health"
+            "engine-crash-after-steps=N, host-load-delay=MS, transfer-delay=MS (prefill role: each KV transfer "
+            "spread over MS); repeatable; shown in /health"
         ),
+    )
+    pd = p.add_argument_group("disaggregated serving (docs/disaggregation.md)")
+    pd.add_argument(
+        "--role",
+        default="both",
+        choices=["both", "prefill", "decode"],
+        help="prefill: compute prompts for decode instances and write their KV into them; decode: take requests "
+        "whose body names a prefill instance (kv_transfer_params.prefill_url); both: an ordinary server (default)",
+    )
+    pd.add_argument(
+        "--pd-transfer-timeout",
+        type=float,
+        default=60.0,
+        help="decode role: seconds a prefill instance may take to compute and write a prompt before the request "
+        "fails (its blocks are freed only after the abort handshake)",
+    )
+    pd.add_argument(
+        "--unsafe-pd-abort",
+        action="store_true",
+        help="TESTING ONLY (decode role): free an aborted request's blocks at once, without waiting for the prefill "
+        "instance's 'safe to reclaim': re-creates the race in which a late write corrupts another request",
     )
     p.add_argument(
         "--log-level",
@@ -87,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.pd_transfer_timeout <= 0:
+        raise ValueError(f"--pd-transfer-timeout must be > 0 seconds, got {args.pd_transfer_timeout}")
     args.faults = Faults.parse(args.inject_fault)
+    if args.faults.transfer_delay is not None and args.role != "prefill":
+        raise ValueError("--inject-fault transfer-delay: applies to the prefill role (--role prefill)")
+    if args.unsafe_pd_abort and args.role != "decode":
+        raise ValueError("--unsafe-pd-abort: applies to the decode role (--role decode)")
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -117,6 +148,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     )
     if args.faults.any:
         print(f"kvwarden serve: WARNING: injected faults (testing only): {args.faults.describe()}", flush=True)
+    if args.unsafe_pd_abort:
+        print("kvwarden serve: WARNING: --unsafe-pd-abort (testing only): aborted transfers may corrupt", flush=True)
+    roles = make_roles(args, engine) if args.role != "both" else None
     config = ServerConfig(
         model_name=name,
         api_key=args.api_key,
@@ -126,7 +160,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     uv_level = "warning" if args.log_level in ("info", "debug") else args.log_level
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(engine, config),
+            build_app(engine, config, roles),
             log_level=uv_level,
             access_log=False,
             # SIGTERM: stop accepting, let in-flight requests (streams included) finish for this long
@@ -134,9 +168,30 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         )
     )
     host, port = sock.getsockname()[:2]
-    print(f"kvwarden serve: {name} listening on http://{host}:{port}", flush=True)
+    role = "" if args.role == "both" else f" as a {args.role} instance"
+    print(f"kvwarden serve: {name} listening on http://{host}:{port}{role}", flush=True)
 
     return run_until_stopped(server, sock, "kvwarden serve: ready")
+
+
+def make_roles(args: argparse.Namespace, engine: AsyncEngine) -> PDRoles:
+    """The prefill or decode service of a disaggregated instance, with its NIXL agent."""
+    import os
+
+    from kvwarden.cache.kv_transfer import TransferAgent
+    from kvwarden.server.pd_decode import DecodeService
+    from kvwarden.server.pd_prefill import PrefillService
+    from kvwarden.server.pd_routes import PDRoles
+
+    core = engine.engine
+    kv = [core.runner.kv_caches.raw(i) for i in range(len(core.runner.kv_caches))]
+    states = core.states.transfer_tensors() if core.states is not None else []
+    agent = TransferAgent(f"kvwarden-{args.role}-{os.getpid()}", kv, states, core.config.cache.block_size)
+    if args.role == "prefill":
+        return PDRoles(prefill=PrefillService(engine, agent, args.faults.transfer_delay or 0.0))
+    decode = DecodeService(engine, agent, args.pd_transfer_timeout, args.unsafe_pd_abort)
+    engine.remote_kv = decode
+    return PDRoles(decode=decode)
 
 
 def run_until_stopped(server: uvicorn.Server, sock: socket.socket, ready_line: str) -> int:

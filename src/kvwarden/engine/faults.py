@@ -9,6 +9,9 @@ guard (``kvwarden guard``) and the probe can be shown to catch it:
   request holds alone are overwritten with noise right after its prefill (the
   first token is still clean; every later one attends to garbage), and those
   blocks leave the prefix cache so the damage stays with the request.
+* ``transfer-delay=MS`` (prefill role): each KV transfer posts its slices
+  spread over MS milliseconds, so aborts arrive before, during and after the
+  writes (the disaggregated abort race, with ``--unsafe-pd-abort`` on decode).
 * ``repetition=RATE``: for that share of requests, decoding is forced into a
   loop (each token repeats the one ``period`` positions back), as a sampler bug
   or a corrupted recurrent state would.
@@ -37,6 +40,7 @@ KNOWN: dict[str, tuple[type, str]] = {
     "repetition": (float, "share of requests forced into a repeating loop"),
     "fault-seed": (int, "seed of the draw that picks the requests hit (default 0)"),
     "host-load-delay": (float, "milliseconds each host-tier load waits before it copies (tests the wait before use)"),
+    "transfer-delay": (float, "prefill role: milliseconds each KV transfer is spread over (aborts land mid-transfer)"),
 }
 _RATES = ("kv_corruption", "repetition")
 
@@ -57,6 +61,7 @@ class Faults:
     repetition: float | None = None
     fault_seed: int | None = None
     host_load_delay: float | None = None
+    transfer_delay: float | None = None
 
     def __post_init__(self) -> None:
         for name in _RATES:

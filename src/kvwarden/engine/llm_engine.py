@@ -102,6 +102,8 @@ class LLMEngine:
 
             self.speculator = _Speculator(self.spec, self)
         self.requests: dict[str, Request] = {}
+        # Finished or aborted requests whose blocks stay allocated (disaggregated serving).
+        self.detached: dict[str, Request] = {}
         # Testing only (``kvwarden serve --inject-fault``): breaks invariance on purpose when set.
         self.faults: FaultInjector | None = None
         self._prompts: dict[str, str | None] = {}
@@ -153,6 +155,8 @@ class LLMEngine:
         cache_salt: str | None = None,
         capture_logits: bool = False,
         final_only: bool = False,
+        remote_prefill: bool = False,
+        hold_blocks: bool = False,
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` for bad input.
 
@@ -161,6 +165,8 @@ class LLMEngine:
         disables prefix hits for the request, as cached positions have no logits.
         ``final_only``: :meth:`step` returns the request's output only when it
         finishes (saves copying its lists and decoding its text every step).
+        ``remote_prefill`` / ``hold_blocks``: the decode and prefill sides of
+        disaggregated serving (see :class:`kvwarden.engine.request.Request`).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -183,6 +189,9 @@ class LLMEngine:
             capture_logits=capture_logits,
             final_only=final_only,
             spec_stats=SpecStats() if self.spec is not None else None,
+            # prompt scores need every position computed here
+            remote_prefill=remote_prefill and not (params.prompt_logprobs is not None or capture_logits),
+            hold_blocks=hold_blocks,
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -193,13 +202,47 @@ class LLMEngine:
             self.faults.on_add(request_id)
         return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and return its blocks; ``None`` if it is unknown or done."""
+    def abort(self, request_id: str, free_blocks: bool = True) -> RequestOutput | None:
+        """Stop a request now and return its blocks; ``None`` if it is unknown or done.
+
+        ``free_blocks=False`` keeps its blocks (and working state) allocated in
+        :attr:`detached` until :meth:`release_detached`: another instance may
+        still be writing into them.
+        """
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        self.scheduler.finish(req, "abort")
+        self.scheduler.finish(req, "abort", free=free_blocks)
+        if not free_blocks:
+            self.detached[request_id] = req
         return self._release(req)
+
+    # ------------------------------------------------- disaggregated serving
+    def take_newly_remote(self) -> list[Request]:
+        """Requests that got their blocks and now wait for a prefill instance (each returned once)."""
+        taken, self.scheduler.newly_remote = self.scheduler.newly_remote, []
+        return taken
+
+    def transfer_slots(self, request_id: str) -> tuple[list[int], int | None]:
+        """(block ids, recurrent working-state slot or None) a transfer reads or writes for a request."""
+        req = self.requests.get(request_id) or self.detached[request_id]
+        slot = self.states.working.get(req.request_id) if self.states is not None else None
+        return self.kv.block_ids(req.request_id), slot
+
+    def remote_done(self, request_id: str, cached_tokens: int = 0) -> bool:
+        """The prefill instance wrote the prompt's KV: run the request. False if it is gone."""
+        req = self.requests.get(request_id)
+        if req is None or req not in self.scheduler.remote:
+            return False
+        self.scheduler.remote_done(req)
+        req.num_cached_tokens = max(req.num_cached_tokens, cached_tokens)  # as a single server would report
+        return True
+
+    def release_detached(self, request_id: str) -> None:
+        """Free the blocks of an aborted or held request once nothing writes or reads them any more."""
+        req = self.detached.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -280,7 +323,9 @@ class LLMEngine:
             self.pool.forget(block)
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
-        self.scheduler.finish(req, reason)
+        self.scheduler.finish(req, reason, free=not req.hold_blocks)
+        if req.hold_blocks:
+            self.detached[req.request_id] = req  # a transfer reads them: released by release_detached
         return self._release(req)
 
     def _release(self, req: Request) -> RequestOutput:
@@ -316,6 +361,8 @@ class LLMEngine:
             "cached_blocks": self.pool.num_cached_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "remote_waiting": len(self.scheduler.remote),
+            "detached_blocks": sum(len(self.kv.block_ids(r)) for r in self.detached),
             "prefix_cache_queries": self.kv.query_tokens,
             "prefix_cache_hits": self.kv.hit_tokens,
             "preemptions": self.scheduler.num_preemptions,

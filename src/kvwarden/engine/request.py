@@ -17,6 +17,7 @@ TopLogprobs = list[tuple[int, float]]
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    REMOTE = "remote"  # blocks allocated; another instance is writing the prompt's KV into them
     FINISHED = "finished"
 
 
@@ -48,6 +49,12 @@ class Request(CacheView):
             they never enter ``all_token_ids`` (so never a block hash or the
             prefix cache) until the target has chosen the same token there.
         spec_stats: acceptance counts (``None`` when speculation is off).
+        remote_prefill: a prefill instance computes ``prompt[:-1]`` and writes
+            its KV (and recurrent state) into this request's blocks; the
+            request waits in ``Status.REMOTE`` until :meth:`Scheduler.remote_done`.
+        hold_blocks: on finishing, the blocks and working state stay allocated
+            (a prefill instance still reads them for a transfer) until
+            :meth:`kvwarden.engine.llm_engine.LLMEngine.release_detached`.
     """
 
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -68,6 +75,8 @@ class Request(CacheView):
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_stats: SpecStats | None = None
+    remote_prefill: bool = False
+    hold_blocks: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,12 @@ pool runs out, the newest running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the queue, keeping its generated
 tokens (recomputing them gives the same KV bitwise, by the numerics contract).
 
+Disaggregated decode adds one move: a waiting request marked
+``remote_prefill`` gets the blocks of its whole prompt at admission and waits
+in ``remote`` (not scheduled) while a prefill instance writes the KV of
+``prompt[:-1]`` into them; :meth:`Scheduler.remote_done` then sets its computed
+count to ``len(prompt) - 1`` and it runs like any other request.
+
 Speculative decoding adds one move: a request whose chunk reaches its last
 token may also score its draft tokens (``Request.spec_token_ids``) in the same
 step, if the budget and the pool allow; otherwise the drafts are dropped. The
@@ -20,11 +26,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.config import SchedulerConfig
 from kvwarden.engine.chunking import ChunkingRule, make_chunking_rule
 from kvwarden.engine.request import Request, Status
+
+if TYPE_CHECKING:
+    from kvwarden.cache.block_pool import Block
+    from kvwarden.cache.host_tier import HostHit
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,8 @@ class Scheduler:
         self.rule: ChunkingRule = make_chunking_rule(config, block_size, speculative)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.remote: list[Request] = []  # waiting for another instance to write their prompt's KV
+        self.newly_remote: list[Request] = []  # admitted to ``remote`` since the caller last took them
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -101,11 +114,16 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.remote) < self.config.max_num_seqs:
             req = self.waiting[0]
             req.spec_token_ids = []  # drafts are only scored from a running request's decode step
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             start = req.num_computed_tokens + num_hit
+            if req.remote_prefill and start < req.num_tokens - 1:
+                if not self._admit_remote(req, hits, num_hit):
+                    break
+                continue
+            req.remote_prefill = False  # cached here up to the last token (or resumed): computed locally
             n = self.rule.chunk(req, start, min(req.num_tokens - start, budget))
             if n <= 0 or self.kv.allocate_slots(req, n, hits) is None:
                 break
@@ -120,6 +138,34 @@ class Scheduler:
             budget -= n
         return out
 
+    def _admit_remote(self, req: Request, hits: list[Block | HostHit], num_hit: int) -> bool:
+        """Blocks for the whole prompt, then wait in ``remote``; False if the pool cannot hold it."""
+        if self.kv.allocate_slots(req, req.num_tokens - num_hit, hits) is None:
+            return False
+        self.waiting.popleft()
+        self.kv.record_query(req.num_tokens, num_hit)
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.status = Status.REMOTE
+        self.remote.append(req)
+        self.newly_remote.append(req)
+        return True
+
+    def remote_done(self, req: Request) -> None:
+        """The prompt's KV but its last token is written: publish the full blocks and run the request.
+
+        NOTE(invariant): the last prompt token is always computed here, so the
+        step that samples the first token is this instance's own, and the KV
+        the prefill instance wrote is what this instance would have computed
+        (canonical numerics do not depend on where a chunk boundary falls).
+        """
+        self.remote.remove(req)
+        req.remote_prefill = False  # a later preemption recomputes it here
+        req.num_computed_tokens = req.num_tokens - 1
+        self.kv.cache_computed_blocks(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def _num_spec(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens scored beside the chunk: all of them when the chunk completes and they fit, else none."""
         spec = len(req.spec_token_ids)
@@ -132,12 +178,14 @@ class Scheduler:
         """Allocate for ``req``, preempting the newest running requests as needed.
 
         Returns False if ``req`` got no slots: it was preempted itself, or it is
-        alone and larger than the whole pool (reported in ``out.out_of_memory``).
+        the only running request and larger than the whole pool (reported in
+        ``out.out_of_memory``) or waits for blocks that requests in ``remote`` hold.
         """
         while self.kv.allocate_slots(req, n) is None:
             if self.running[-1] is req and len(self.running) == 1:
-                out.out_of_memory.append(req)
-                return False
+                if not self.remote:  # nothing will give blocks back: it can never fit
+                    out.out_of_memory.append(req)
+                return False  # else it waits: a finished transfer makes a preemptible request
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -174,12 +222,18 @@ class Scheduler:
         req.num_computed_tokens = num_computed_tokens
         self.kv.cache_computed_blocks(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Remove a request (finished or aborted) and return its blocks."""
+    def finish(self, req: Request, reason: str, free: bool = True) -> None:
+        """Remove a request (finished or aborted) and return its blocks (unless ``free`` is False:
+        then the caller frees them later with ``kv.free``)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        elif req in self.remote:
+            self.remote.remove(req)
+        if req in self.newly_remote:
+            self.newly_remote.remove(req)
+        if free:
+            self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,7 @@ from kvwarden.server.access_log import AccessLog
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.chat import ChatCompletions
 from kvwarden.server.completions import Completions
+from kvwarden.server.pd_routes import PDRoles, add_pd_routes
 from kvwarden.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -85,6 +86,28 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class ApiKeyGate:
+    """Require ``Authorization: Bearer KEY`` on ``/v1/*`` (401 in OpenAI's error format otherwise).
+
+    NOTE: plain ASGI on purpose: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) hides the
+    client's disconnect from ``Request.is_disconnected``, so a non-streaming request whose client left
+    would run to the end instead of being aborted (and, disaggregated, keep its transfer going).
+    """
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope.get("headers") or []).get(b"authorization")
+            refused = api_key_error(header.decode("latin-1") if header is not None else None, self.key)
+            if refused is not None:
+                await error_response(refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # Pydantic error types that mean "right type, value out of range": answered 400 like
 # other invalid values; everything else (wrong type, missing field) is 422.
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of"}
@@ -115,19 +138,25 @@ def _is_json(raw: bytes | str) -> bool:
     return True
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
-    """The ASGI app for one engine."""
+def build_app(engine: AsyncEngine, config: ServerConfig, roles: PDRoles | None = None) -> ASGIApp:
+    """The ASGI app for one engine (``roles``: the prefill or decode service of a disaggregated instance)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         engine.metrics.observe_engine(engine.engine)
+        if roles is not None:
+            await roles.start()
         try:
             yield
         finally:
+            if roles is not None:
+                await roles.close()
             engine.shutdown()
 
     app = FastAPI(title="kvwarden", version="0.1.0", lifespan=lifespan)
+    if roles is not None:
+        add_pd_routes(app, roles, engine)
     completions = Completions(engine, config.model_name)
     chat = ChatCompletions(engine, config.model_name)
     tokenization = Tokenization(engine)
@@ -149,14 +178,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error"))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if config.api_key and request.url.path.startswith("/v1/"):
-            refused = api_key_error(request.headers.get("authorization"), config.api_key)
-            if refused is not None:
-                return error_response(refused)
-        return await call_next(request)
 
     def check_model(name: str) -> None:
         if name != config.model_name:
@@ -221,4 +242,5 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> ASGIApp:
             check_model(req.model)
         return tokenization.detokenize(req)
 
-    return AccessLog(BodyLimit(app, config.max_body_bytes), enabled=config.log_requests)
+    gated: ASGIApp = ApiKeyGate(app, config.api_key) if config.api_key else app
+    return AccessLog(BodyLimit(gated, config.max_body_bytes), enabled=config.log_requests)

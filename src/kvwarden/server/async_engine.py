@@ -14,8 +14,9 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvwarden.engine.faults import FaultInjector, Faults
 from kvwarden.engine.llm_engine import LLMEngine
@@ -36,6 +37,14 @@ class RequestTimeoutError(RuntimeError):
     """The request ran past the server's ``--request-timeout``; it was aborted and its blocks freed."""
 
 
+class RemotePrefillError(RuntimeError):
+    """The prefill instance of a disaggregated request failed or refused it (decode role)."""
+
+
+class PrefillTimeoutError(RemotePrefillError):
+    """The prefill instance did not finish the prompt within ``--pd-transfer-timeout``."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -51,6 +60,27 @@ class _Add:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    remote: str | None = None  # the prefill instance that computes the prompt (decode role)
+    hold: bool = False  # keep the blocks after finishing (prefill role)
+
+
+class RemoteKVHooks(Protocol):
+    """What the engine thread tells disaggregated serving (``kvwarden.server.pd_decode``).
+
+    ``on_blocks_ready`` and ``on_abort`` are called on the engine thread and must not block.
+    """
+
+    def expect(self, request_id: str, url: str, token_ids: list[int], cache_salt: str | None) -> None:
+        """A remote-prefill request is about to be queued (called on the caller's loop)."""
+
+    def on_blocks_ready(self, request_id: str, block_ids: list[int], first_block: int, slot: int | None) -> None:
+        """A remote-prefill request holds its blocks now: start its transfer."""
+
+    def on_abort(self, request_id: str) -> bool:
+        """A request is being aborted: True to free its blocks now, False to keep them until reclaimed."""
+
+    def on_finished(self, request_id: str) -> None:
+        """A request finished normally (forget its bookkeeping)."""
 
 
 class AsyncEngine:
@@ -75,7 +105,8 @@ class AsyncEngine:
             if engine.host is None:
                 raise ValueError("--inject-fault host-load-delay: needs a host tier (--host-cache-bytes N)")
             engine.host.copies.load_delay_s = self.faults.host_load_delay / 1000.0
-        self._inbox: queue.SimpleQueue[_Add | tuple[str, str]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | tuple[Any, ...]] = queue.SimpleQueue()
+        self.remote_kv: RemoteKVHooks | None = None  # set by the decode role
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -105,17 +136,31 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def generate(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        remote: str | None = None,
+        hold: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a validated request and yield its outputs until it finishes.
 
         Cancelling the consumer (a disconnected client) aborts the request, so
-        its KV blocks return to the pool.
+        its KV blocks return to the pool (for a remote-prefill request, once
+        the prefill instance says no write of its is in flight).
+
+        Args:
+            remote: URL of the prefill instance computing the prompt (decode role only).
+            hold: keep the blocks after the request finishes (prefill role; see
+                :meth:`LLMEngine.release_detached`).
 
         Raises:
             QueueFullError: ``max_waiting`` requests are already pending.
             ValueError: the engine rejected the request.
         """
+        if remote is not None and self.remote_kv is None:
+            raise ValueError("kv_transfer_params: this server is not a decode instance (start it with --role decode)")
         if self.error is not None:
             raise EngineDeadError(f"the engine is down: {type(self.error).__name__}: {self.error}")
         loop = asyncio.get_running_loop()
@@ -124,7 +169,10 @@ class AsyncEngine:
             if len(self._streams) >= self.max_waiting:
                 raise QueueFullError(f"{len(self._streams)} requests pending (limit {self.max_waiting})")
             self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, token_ids, params, cache_salt))
+        if remote is not None:
+            assert self.remote_kv is not None
+            self.remote_kv.expect(request_id, remote, token_ids, cache_salt)
+        self._inbox.put(_Add(request_id, token_ids, params, cache_salt, remote, hold))
         self._wake.set()
         finished = False
         try:
@@ -145,6 +193,19 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future[Any]:
+        """Run ``fn(engine)`` on the engine thread between steps; await its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(("call", fn, future, loop))
+        self._wake.set()
+        return future
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """Abort a request and end its stream with ``exc`` (e.g. its prefill instance timed out)."""
+        self._inbox.put(("fail", request_id, exc))
+        self._wake.set()
+
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -160,6 +221,17 @@ class AsyncEngine:
                     raise RuntimeError(f"injected fault: engine crash after {crash_after} steps")
                 outputs = self.engine.step()
                 self.metrics.observe_engine(self.engine)
+                if not self.engine.last_scheduled:  # all blocked on transfers: do not spin
+                    self._wake.wait(timeout=0.005)
+                    self._wake.clear()
+                if self.remote_kv is not None:
+                    for out in outputs:
+                        if out.finished:
+                            self.remote_kv.on_finished(out.request_id)
+                    for req in self.engine.take_newly_remote():
+                        blocks, slot = self.engine.transfer_slots(req.request_id)
+                        first = req.num_computed_tokens // self.engine.config.cache.block_size
+                        self.remote_kv.on_blocks_ready(req.request_id, blocks, first, slot)
                 for out in outputs:
                     self._deliver(out)
         except BaseException as exc:
@@ -184,16 +256,44 @@ class AsyncEngine:
                 return
             handled = True
             if isinstance(item, tuple):
-                out = self.engine.abort(item[1])
-                if out is not None:
-                    self.metrics.observe_finished(out)
-                with self._streams_lock:
-                    self._streams.pop(item[1], None)
+                self._control(item)
                 continue
             try:
-                self.engine.add_request(item.token_ids, item.params, item.request_id, item.cache_salt)
+                self.engine.add_request(
+                    item.token_ids,
+                    item.params,
+                    item.request_id,
+                    item.cache_salt,
+                    remote_prefill=item.remote is not None,
+                    hold_blocks=item.hold,
+                )
             except ValueError as exc:
                 self._fail(item.request_id, exc)
+
+    def _control(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == "call":
+            _, fn, future, loop = item
+            try:
+                result, error = fn(self.engine), None
+            except Exception as exc:  # the caller gets it; the engine goes on
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            return
+        rid = item[1]
+        self._abort(rid)
+        if kind == "fail":
+            self._fail(rid, item[2])
+        else:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+
+    def _abort(self, request_id: str) -> None:
+        free = self.remote_kv.on_abort(request_id) if self.remote_kv is not None else True
+        out = self.engine.abort(request_id, free_blocks=free)
+        if out is not None:
+            self.metrics.observe_finished(out)
 
     def _expire(self) -> None:
         """Abort requests past the request timeout (their blocks return to the pool now)."""
@@ -203,9 +303,7 @@ class AsyncEngine:
         with self._streams_lock:
             late = [rid for rid, s in self._streams.items() if now - s.arrival > self.request_timeout]
         for rid in late:
-            out = self.engine.abort(rid)
-            if out is not None:
-                self.metrics.observe_finished(out)
+            self._abort(rid)
             message = f"the request ran past the server's request timeout of {self.request_timeout} s"
             self._fail(rid, RequestTimeoutError(message))
         if late:
@@ -237,3 +335,12 @@ class AsyncEngine:
             self.metrics.observe_finished(out, now - stream.arrival)
         with contextlib.suppress(RuntimeError):  # the client's loop is gone
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

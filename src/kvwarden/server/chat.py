@@ -54,7 +54,7 @@ class ChatCompletions:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             prompt_param="messages",
         )
-        return [Job(j, ids, choice_params(params, j), req.cache_salt) for j in range(req.n)]
+        return [Job(j, ids, choice_params(params, j), req.cache_salt, req.prefill_url) for j in range(req.n)]
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStream:
         ids = self._prompt(req)

@@ -63,7 +63,9 @@ class Completions:
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             )
-            jobs.extend(Job(i * req.n + j, ids, choice_params(params, j), req.cache_salt) for j in range(req.n))
+            jobs.extend(
+                Job(i * req.n + j, ids, choice_params(params, j), req.cache_salt, req.prefill_url) for j in range(req.n)
+            )
         return jobs
 
     async def create(self, req: CompletionRequest, request: Request) -> JSONResponse | EventStream:

@@ -103,6 +103,12 @@ class StreamOptions(_Strict):
 StopField = str | list[str] | None
 
 
+class KVTransferParams(_Strict):
+    """Disaggregated serving: which prefill instance computes the prompt (a decode instance's requests)."""
+
+    prefill_url: str
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -127,6 +133,11 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
+
+    @property
+    def prefill_url(self) -> str | None:
+        return self.kv_transfer_params.prefill_url if self.kv_transfer_params is not None else None
 
 
 class CompletionRequest(_SamplingFields):

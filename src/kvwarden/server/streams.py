@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
+from kvwarden.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    PrefillTimeoutError,
+    QueueFullError,
+    RemotePrefillError,
+    RequestTimeoutError,
+)
 from kvwarden.server.formatting import DeltaTracker
 from kvwarden.server.protocol import ApiError
 
@@ -22,6 +29,7 @@ class Job:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    remote: str | None = None  # the prefill instance computing the prompt (kv_transfer_params.prefill_url)
 
 
 def _engine_error(exc: BaseException) -> ApiError:
@@ -29,6 +37,10 @@ def _engine_error(exc: BaseException) -> ApiError:
         return ApiError(503, f"server overloaded: {exc}; retry later", None, "overloaded")
     if isinstance(exc, RequestTimeoutError):
         return ApiError(408, str(exc), None, "request_timeout")
+    if isinstance(exc, PrefillTimeoutError):
+        return ApiError(504, str(exc), None, "prefill_timeout")
+    if isinstance(exc, RemotePrefillError):
+        return ApiError(502, str(exc), None, "prefill_failed")
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), None, "engine_dead")
     if isinstance(exc, ValueError):
@@ -43,7 +55,7 @@ async def merged(engine: AsyncEngine, jobs: list[Job], prefix: str) -> AsyncIter
     async def pump(job: Job) -> None:
         try:
             rid = engine.new_request_id(prefix)
-            async for out in engine.generate(rid, job.token_ids, job.params, job.cache_salt):
+            async for out in engine.generate(rid, job.token_ids, job.params, job.cache_salt, job.remote):
                 await queue.put((job.index, out))
             await queue.put((job.index, None))
         except asyncio.CancelledError:
