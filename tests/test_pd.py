@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_util import Server, running_server
 
 from kvwarden.bench.pd_faults import CampaignConfig, references, run_campaign
 from kvwarden.probe.client import parse_logprobs
+from server_util import Server, running_guard, running_server
 
 QUIET = ("--disable-log-requests",)
 
@@ -56,6 +56,11 @@ def wait_idle(*servers: Server) -> None:
         time.sleep(0.1)
 
 
+def via(prefill: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with the prefill instance that computes its prompt."""
+    return {**body, "kv_transfer_params": {"prefill_url": prefill.url}}
+
+
 def tops_of(choice: Any) -> tuple[list[Any], list[Any]]:
     return parse_logprobs(choice.logprobs.model_dump())
 
@@ -84,11 +89,28 @@ def test_disaggregated_equals_single_server(trio: tuple[Server, Server, Server],
         model=decode.model, prompt=prompts[3], max_tokens=8, stream=True, extra_body=pd, **sampling
     )
     text = "".join(c.choices[0].text for c in stream if c.choices)
-    assert text == one.completions.create(model=decode.model, prompt=prompts[3], max_tokens=8, **sampling).choices[0].text
+    assert (
+        text == one.completions.create(model=decode.model, prompt=prompts[3], max_tokens=8, **sampling).choices[0].text
+    )
     chat = {"model": decode.model, "messages": [{"role": "user", "content": "a disaggregated hello"}], "max_tokens": 8}
     want_chat = one.chat.completions.create(**chat, **sampling).choices[0].message.content
     assert two.chat.completions.create(**chat, **sampling, extra_body=pd).choices[0].message.content == want_chat
     assert stats(decode)["done"] >= len(prompts) and stats(decode)["failed"] == 0
+    wait_idle(prefill, decode)
+
+
+def test_guard_routes_to_prefill_and_decode(trio: tuple[Server, Server, Server]) -> None:
+    """``kvwarden guard --prefill URL --decode URL``: one endpoint, the single server's answers."""
+    single, prefill, decode = trio
+    with running_guard([], "--decode", decode.url, "--prefill", prefill.url, "--canary-interval", "0") as guard:
+        before = stats(decode)["done"]
+        for prompt in ([9, 8, 7, 6, 5], list(range(200, 260))):
+            body = {"model": decode.model, "prompt": prompt, "max_tokens": 8, "logprobs": 5, "temperature": 0.0}
+            want = httpx.post(f"{single.url}/v1/completions", json=body, timeout=60).json()
+            got = httpx.post(f"{guard.url}/v1/completions", json=body, timeout=60).json()
+            for key in ("tokens", "token_logprobs", "top_logprobs"):  # text_offset is the guard's own
+                assert got["choices"][0]["logprobs"][key] == want["choices"][0]["logprobs"][key], key
+        assert stats(decode)["done"] == before + 2  # both prompts went through the prefill instance
     wait_idle(prefill, decode)
 
 
@@ -119,7 +141,9 @@ def test_prefill_of_another_model_is_refused() -> None:
         running_server("builtin:qwen3_next-tiny", "--role", "decode", *QUIET) as decode,
     ):
         body = {"model": decode.model, "prompt": list(range(5, 40)), "max_tokens": 2}
-        r = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": {"prefill_url": prefill.url}})
+        r = httpx.post(
+            f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": {"prefill_url": prefill.url}}
+        )
         assert r.status_code == 502 and "layout" in r.json()["error"]["message"], r.text
         wait_idle(prefill, decode)
 
@@ -127,11 +151,13 @@ def test_prefill_of_another_model_is_refused() -> None:
 def test_transfer_timeout_fails_the_request_and_reclaims_after_the_handshake() -> None:
     model = "builtin:llama-tiny"
     with (
-        running_server(model, "--role", "prefill", "--inject-fault", "transfer-delay=1500", *QUIET) as prefill,
-        running_server(model, "--role", "decode", "--pd-transfer-timeout", "0.3", *QUIET) as decode,
+        running_server(model, "--role", "prefill", "--inject-fault", "transfer-delay=4000", *QUIET) as prefill,
+        running_server(model, "--role", "decode", "--pd-transfer-timeout", "1.0", *QUIET) as decode,
     ):
         body = {"model": model, "prompt": list(range(5, 60)), "max_tokens": 4}
-        r = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": {"prefill_url": prefill.url}})
+        r = httpx.post(
+            f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": {"prefill_url": prefill.url}}
+        )
         assert r.status_code == 504 and "--pd-transfer-timeout" in r.json()["error"]["message"], r.text
         held = stats(decode)["detached_blocks"]
         assert held > 0, "blocks freed before the prefill instance said it was safe"

@@ -65,12 +65,14 @@ class Layout:
     """An engine's transferable memory: KV tensors (unit = block) per attention layer, state tensors (unit = slot).
 
     ``kv`` holds ``(K, V)`` regions per attention layer; ``state`` every recurrent
-    tensor of the working slots (conv windows, scan states, pending rows).
+    tensor of the working slots (conv windows, scan states, pending rows);
+    ``snapshot`` every tensor of the boundary-state snapshots (unit = snapshot slot).
     """
 
     block_size: int
     kv: tuple[tuple[Region, Region], ...]
     state: tuple[Region, ...]
+    snapshot: tuple[Region, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         def r(x: Region) -> list[int]:
@@ -80,6 +82,7 @@ class Layout:
             "block_size": self.block_size,
             "kv": [[r(k), r(v)] for k, v in self.kv],
             "state": [r(s) for s in self.state],
+            "snapshot": [r(s) for s in self.snapshot],
         }
 
     @classmethod
@@ -88,14 +91,18 @@ class Layout:
             block_size=int(data["block_size"]),
             kv=tuple((Region(*k), Region(*v)) for k, v in data["kv"]),
             state=tuple(Region(*s) for s in data["state"]),
+            snapshot=tuple(Region(*s) for s in data.get("snapshot", [])),
         )
 
     def mismatch(self, other: Layout) -> str | None:
         """Why blocks of ``self`` cannot be written into ``other`` (another model or block size), or None."""
         if self.block_size != other.block_size:
             return f"block size {self.block_size} here, {other.block_size} there"
-        mine = [(k.unit_bytes, v.unit_bytes) for k, v in self.kv] + [(s.unit_bytes,) for s in self.state]
-        theirs = [(k.unit_bytes, v.unit_bytes) for k, v in other.kv] + [(s.unit_bytes,) for s in other.state]
+
+        def sizes(x: Layout) -> list[tuple[int, ...]]:
+            return [(k.unit_bytes, v.unit_bytes) for k, v in x.kv] + [(s.unit_bytes,) for s in x.state + x.snapshot]
+
+        mine, theirs = sizes(self), sizes(other)
         if mine != theirs:
             return "the KV or state tensors differ in number or size (another model, dtype or numerics?)"
         return None
@@ -127,7 +134,12 @@ class TransferAgent:
     """
 
     def __init__(
-        self, name: str, kv: list[tuple[torch.Tensor, torch.Tensor]], states: list[torch.Tensor], block_size: int
+        self,
+        name: str,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        states: list[torch.Tensor],
+        snapshots: list[torch.Tensor],
+        block_size: int,
     ) -> None:
         for key, value in UCX_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -135,7 +147,7 @@ class TransferAgent:
         self.name = name
         self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         self._mem = "VRAM" if kv and kv[0][0].is_cuda else "DRAM"
-        tensors = [t for pair in kv for t in pair] + list(states)
+        tensors = [t for pair in kv for t in pair] + list(states) + list(snapshots)
         for t in tensors:
             self._agent.register_memory(t)
         slots = states[0].shape[0] if states else 0
@@ -144,6 +156,7 @@ class TransferAgent:
             block_size,
             tuple((_blocks(k, block_size, num_blocks), _blocks(v, block_size, num_blocks)) for k, v in kv),
             tuple(tensor_region(s, slots) for s in states),
+            tuple(tensor_region(s, snapshots[0].shape[0]) for s in snapshots),
         )
         self._peers: set[str] = set()
 
@@ -164,8 +177,10 @@ class TransferAgent:
         remote_blocks: list[int],
         local_slot: int | None,
         remote_slot: int | None,
+        snapshots: list[tuple[int, int]] | None = None,
     ) -> list[Slice]:
-        """The writes that copy ``local_blocks`` into ``remote_blocks`` (and the working state), layer by layer."""
+        """The writes that copy ``local_blocks`` into ``remote_blocks``, layer by layer, then (one last
+        slice) the working state and the ``(local, remote)`` snapshot slots of the boundary states."""
         assert len(local_blocks) == len(remote_blocks)
         slices = []
         for (k, v), (pk, pv) in zip(self.layout.kv, peer.kv, strict=True):
@@ -173,10 +188,17 @@ class TransferAgent:
             remote = [r.at(b) for r in (pk, pv) for b in remote_blocks]
             if local:
                 slices.append(Slice(local, remote))
+        local, remote = [], []
         if self.layout.state and local_slot is not None and remote_slot is not None:
-            pairs = zip(self.layout.state, peer.state, strict=True)
-            local, remote = zip(*[(s.at(local_slot), p.at(remote_slot)) for s, p in pairs], strict=True)
-            slices.append(Slice(list(local), list(remote)))
+            for s, p in zip(self.layout.state, peer.state, strict=True):
+                local.append(s.at(local_slot))
+                remote.append(p.at(remote_slot))
+        for mine, theirs in snapshots or []:
+            for s, p in zip(self.layout.snapshot, peer.snapshot, strict=True):
+                local.append(s.at(mine))
+                remote.append(p.at(theirs))
+        if local:
+            slices.append(Slice(local, remote))
         return slices
 
     def post(self, peer: str, piece: Slice, notif: bytes = b"") -> Any:

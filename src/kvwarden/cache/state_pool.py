@@ -64,6 +64,8 @@ class StatePool:
         self._snapshot_of: dict[bytes, int] = {}
         self._staged: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._checkpoints: dict[str, list[torch.Tensor]] = {}
+        # Snapshot slots another instance writes (disaggregated decode): request -> {block index: slot}.
+        self._reserved: dict[str, dict[int, int]] = {}
 
     @staticmethod
     def snapshot_bytes(specs: list[RecurrentLayerSpec]) -> int:
@@ -92,6 +94,7 @@ class StatePool:
         slot = self.working.pop(request_id, None)
         if slot is not None:
             self._free_working.append(slot)
+        self._free_snapshots.extend(self._reserved.pop(request_id, {}).values())
         self._staged.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
 
@@ -190,6 +193,39 @@ class StatePool:
         for pos in [p for p in staged if p <= upto]:
             del staged[pos]
 
+    # ------------------------------------------------- disaggregated serving
+    def snapshot_slot(self, block_hash: bytes) -> int | None:
+        return self._snapshot_of.get(block_hash)
+
+    def reserve_snapshots(self, request_id: str, block_indices: list[int]) -> dict[int, int]:
+        """Slots for the boundary states (after each of these blocks) that a prefill instance will write.
+
+        Fewer than asked when the pool is short: those boundaries then get no state here.
+        """
+        got = {}
+        for i in block_indices:
+            if not self._free_snapshots:
+                break
+            got[i] = self._free_snapshots.pop()
+        self._reserved[request_id] = got
+        return got
+
+    def adopt_snapshots(self, request_id: str, hashes: dict[int, bytes]) -> int:
+        """Publish the reserved slots that were written (block index -> its hash); free the others."""
+        n = 0
+        for i, slot in self._reserved.pop(request_id, {}).items():
+            block_hash = hashes.get(i)
+            if block_hash is not None and block_hash not in self._snapshot_of:
+                self._snapshot_of[block_hash] = slot
+                n += 1
+            else:
+                self._free_snapshots.append(slot)
+        return n
+
+    def snapshot_tensors(self) -> list[torch.Tensor]:
+        """Every snapshot tensor (a snapshot slot's unit in each): boundary states moved between instances."""
+        return [*self.snap_conv, *self.snap_ssm]
+
     def evict(self, block_hash: bytes) -> None:
         """Drop the snapshot of an evicted KV block."""
         slot = self._snapshot_of.pop(block_hash, None)
@@ -208,6 +244,6 @@ class StatePool:
         assert len(slots) == len(set(slots)), "working slot handed out twice"
         assert not set(slots) & set(self._free_working), "a held working slot is also free"
         assert len(slots) + len(self._free_working) == self.num_working, "working slot leaked"
-        snaps = list(self._snapshot_of.values())
+        snaps = list(self._snapshot_of.values()) + [x for r in self._reserved.values() for x in r.values()]
         assert len(snaps) == len(set(snaps)), "snapshot slot used twice"
         assert not set(snaps) & set(self._free_snapshots), "a held snapshot slot is also free"

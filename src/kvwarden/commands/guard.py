@@ -29,6 +29,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="an OpenAI-compatible server (repeatable), e.g. http://127.0.0.1:8000",
     )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a decode instance (kvwarden serve --role decode), repeatable: the same as --backend",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="disaggregated serving: a prefill instance (kvwarden serve --role prefill), repeatable; the backends "
+        "are then decode instances and every request names a prefill instance (round robin)",
+    )
     p.add_argument("--config", default=None, metavar="TOML", help="guard.toml with monitors, canary and routing keys")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=None, help="port (default 8100; 0 picks a free one)")
@@ -55,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(
         args.config,
-        backends=tuple(args.backend) if args.backend else None,
+        backends=tuple((args.backend or []) + (args.decode or [])) or None,
+        prefill=tuple(args.prefill) if args.prefill else None,
         host=args.host,
         port=args.port,
         max_retries=args.max_retries,
@@ -91,6 +107,8 @@ def _serve(config: GuardConfig, sock: socket.socket, log_level: str) -> int:
     )
     host, port = sock.getsockname()[:2]
     backends = ", ".join(config.backends)
+    if config.prefill:
+        backends = f"decode {backends} with prefill {', '.join(config.prefill)}"
     print(f"kvwarden guard: listening on http://{host}:{port} in front of {backends}", flush=True)
     canary = f"canary every {config.canary.interval:g} s" if config.canary.interval else "canary off"
     print(

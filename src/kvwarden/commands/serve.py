@@ -186,7 +186,8 @@ def make_roles(args: argparse.Namespace, engine: AsyncEngine) -> PDRoles:
     core = engine.engine
     kv = [core.runner.kv_caches.raw(i) for i in range(len(core.runner.kv_caches))]
     states = core.states.transfer_tensors() if core.states is not None else []
-    agent = TransferAgent(f"kvwarden-{args.role}-{os.getpid()}", kv, states, core.config.cache.block_size)
+    snaps = core.states.snapshot_tensors() if core.states is not None else []
+    agent = TransferAgent(f"kvwarden-{args.role}-{os.getpid()}", kv, states, snaps, core.config.cache.block_size)
     if args.role == "prefill":
         return PDRoles(prefill=PrefillService(engine, agent, args.faults.transfer_delay or 0.0))
     decode = DecodeService(engine, agent, args.pd_transfer_timeout, args.unsafe_pd_abort)

@@ -22,6 +22,7 @@ from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.memory import cache_budget
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.remote_kv import RemoteKV
 from kvwarden.engine.request import Request, Status
 from kvwarden.engine.sampler import RowTops, row_math_for
 from kvwarden.engine.sampling_params import SamplingParams
@@ -102,8 +103,7 @@ class LLMEngine:
 
             self.speculator = _Speculator(self.spec, self)
         self.requests: dict[str, Request] = {}
-        # Finished or aborted requests whose blocks stay allocated (disaggregated serving).
-        self.detached: dict[str, Request] = {}
+        self.remote = RemoteKV(self.scheduler, self.kv, self.states, self.requests, cache.block_size)
         # Testing only (``kvwarden serve --inject-fault``): breaks invariance on purpose when set.
         self.faults: FaultInjector | None = None
         self._prompts: dict[str, str | None] = {}
@@ -206,7 +206,7 @@ class LLMEngine:
         """Stop a request now and return its blocks; ``None`` if it is unknown or done.
 
         ``free_blocks=False`` keeps its blocks (and working state) allocated in
-        :attr:`detached` until :meth:`release_detached`: another instance may
+        ``remote.detached`` until ``remote.release``: another instance may
         still be writing into them.
         """
         req = self.requests.get(request_id)
@@ -214,35 +214,8 @@ class LLMEngine:
             return None
         self.scheduler.finish(req, "abort", free=free_blocks)
         if not free_blocks:
-            self.detached[request_id] = req
+            self.remote.hold(req)
         return self._release(req)
-
-    # ------------------------------------------------- disaggregated serving
-    def take_newly_remote(self) -> list[Request]:
-        """Requests that got their blocks and now wait for a prefill instance (each returned once)."""
-        taken, self.scheduler.newly_remote = self.scheduler.newly_remote, []
-        return taken
-
-    def transfer_slots(self, request_id: str) -> tuple[list[int], int | None]:
-        """(block ids, recurrent working-state slot or None) a transfer reads or writes for a request."""
-        req = self.requests.get(request_id) or self.detached[request_id]
-        slot = self.states.working.get(req.request_id) if self.states is not None else None
-        return self.kv.block_ids(req.request_id), slot
-
-    def remote_done(self, request_id: str, cached_tokens: int = 0) -> bool:
-        """The prefill instance wrote the prompt's KV: run the request. False if it is gone."""
-        req = self.requests.get(request_id)
-        if req is None or req not in self.scheduler.remote:
-            return False
-        self.scheduler.remote_done(req)
-        req.num_cached_tokens = max(req.num_cached_tokens, cached_tokens)  # as a single server would report
-        return True
-
-    def release_detached(self, request_id: str) -> None:
-        """Free the blocks of an aborted or held request once nothing writes or reads them any more."""
-        req = self.detached.pop(request_id, None)
-        if req is not None:
-            self.kv.free(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -325,7 +298,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(req, reason, free=not req.hold_blocks)
         if req.hold_blocks:
-            self.detached[req.request_id] = req  # a transfer reads them: released by release_detached
+            self.remote.hold(req)  # a transfer reads them: freed by remote.release
         return self._release(req)
 
     def _release(self, req: Request) -> RequestOutput:
@@ -362,7 +335,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "remote_waiting": len(self.scheduler.remote),
-            "detached_blocks": sum(len(self.kv.block_ids(r)) for r in self.detached),
+            "detached_blocks": self.remote.detached_blocks(),
             "prefix_cache_queries": self.kv.query_tokens,
             "prefix_cache_hits": self.kv.hit_tokens,
             "preemptions": self.scheduler.num_preemptions,

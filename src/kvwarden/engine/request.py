@@ -54,7 +54,7 @@ class Request(CacheView):
             request waits in ``Status.REMOTE`` until :meth:`Scheduler.remote_done`.
         hold_blocks: on finishing, the blocks and working state stay allocated
             (a prefill instance still reads them for a transfer) until
-            :meth:`kvwarden.engine.llm_engine.LLMEngine.release_detached`.
+            :meth:`kvwarden.engine.remote_kv.RemoteKV.release`.
     """
 
     prompt_token_ids: list[int] = field(default_factory=list)

@@ -106,6 +106,9 @@ class GuardConfig:
         client_api_key: when set, clients must send ``Authorization: Bearer``
             with it on ``/v1/*`` (401 otherwise), as ``kvwarden serve --api-key``.
         max_body_bytes: larger request bodies are answered 413 unread.
+        prefill: disaggregated serving: prefill instances (``kvwarden serve --role
+            prefill``); every backend is then a decode instance, and each attempt
+            names one prefill instance (round robin) in ``kv_transfer_params``.
     """
 
     backends: tuple[str, ...]
@@ -120,6 +123,7 @@ class GuardConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    prefill: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -129,6 +133,11 @@ class GuardConfig:
                 raise ValueError(f"--backend {url!r}: expected an http:// or https:// URL")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError("--backend: the same URL is given twice")
+        for url in self.prefill:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--prefill {url!r}: expected an http:// or https:// URL")
+            if url in self.backends:
+                raise ValueError(f"--prefill {url!r}: also given as a decode instance (--backend/--decode)")
         _check("port", self.port, 0, 65535)
         _check("max_retries", self.max_retries, 0, 100)
         _check("request_timeout", self.request_timeout, 1e-3, None)
@@ -194,7 +203,7 @@ def _section(cls: type, prefix: str, table: Any) -> Any:
 def parse_toml(data: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of :class:`GuardConfig` a TOML document sets (strict: unknown keys are errors)."""
     top = {"backends", "host", "port", "max_retries", "hold_back_tokens", "request_timeout", "health_interval"}
-    top |= {"api_key", "client_api_key", "max_body_bytes", "monitors", "canary"}
+    top |= {"api_key", "client_api_key", "max_body_bytes", "monitors", "canary", "prefill"}
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in top:
@@ -211,10 +220,10 @@ def parse_toml(data: dict[str, Any]) -> dict[str, Any]:
             out["monitors"] = MonitorsConfig(**parts)
         elif key == "canary":
             out["canary"] = _section(CanaryConfig, "canary", value)
-        elif key == "backends":
+        elif key in ("backends", "prefill"):
             if not isinstance(value, list) or not all(isinstance(u, str) for u in value):
-                raise ValueError("backends: expected a list of URLs")
-            out["backends"] = tuple(value)
+                raise ValueError(f"{key}: expected a list of URLs")
+            out[key] = tuple(value)
         elif key in ("hold_back_tokens", "api_key", "client_api_key"):
             kind = int if key == "hold_back_tokens" else str
             if not isinstance(value, kind) or isinstance(value, bool):

@@ -15,9 +15,10 @@ they come; a monitor firing then ends the stream with ``finish_reason:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,14 @@ class Guard:
     client: httpx.AsyncClient
     pool: BackendPool
     metrics: GuardMetrics
+    prefill_turn: Iterator[int] = field(default_factory=itertools.count)  # round robin over config.prefill
+
+    def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body an attempt sends: in disaggregated mode it names the prefill instance (round robin)."""
+        if not self.config.prefill:
+            return body
+        url = self.config.prefill[next(self.prefill_turn) % len(self.config.prefill)]
+        return {**body, "kv_transfer_params": {"prefill_url": url}}
 
 
 @dataclass
@@ -152,7 +161,7 @@ class Relay:
         cfg = self.guard.config
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         request = self.guard.client.build_request(
-            "POST", f"{backend.url}{self.path}", json=self.upstream.body, headers=headers
+            "POST", f"{backend.url}{self.path}", json=self.guard.upstream_body(self.upstream.body), headers=headers
         )
         self.guard.metrics.requests.labels(backend=backend.url).inc()
         backend.outstanding += 1

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from kvwarden.engine.faults import FaultInjector, Faults
 from kvwarden.engine.llm_engine import LLMEngine
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.remote_kv import TransferMemory
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.server.metrics import Metrics
 
@@ -73,8 +74,8 @@ class RemoteKVHooks(Protocol):
     def expect(self, request_id: str, url: str, token_ids: list[int], cache_salt: str | None) -> None:
         """A remote-prefill request is about to be queued (called on the caller's loop)."""
 
-    def on_blocks_ready(self, request_id: str, block_ids: list[int], first_block: int, slot: int | None) -> None:
-        """A remote-prefill request holds its blocks now: start its transfer."""
+    def on_blocks_ready(self, request_id: str, memory: TransferMemory) -> None:
+        """A remote-prefill request holds its blocks now: start its transfer into ``memory``."""
 
     def on_abort(self, request_id: str) -> bool:
         """A request is being aborted: True to free its blocks now, False to keep them until reclaimed."""
@@ -153,7 +154,7 @@ class AsyncEngine:
         Args:
             remote: URL of the prefill instance computing the prompt (decode role only).
             hold: keep the blocks after the request finishes (prefill role; see
-                :meth:`LLMEngine.release_detached`).
+                :meth:`kvwarden.engine.remote_kv.RemoteKV.release`).
 
         Raises:
             QueueFullError: ``max_waiting`` requests are already pending.
@@ -228,10 +229,8 @@ class AsyncEngine:
                     for out in outputs:
                         if out.finished:
                             self.remote_kv.on_finished(out.request_id)
-                    for req in self.engine.take_newly_remote():
-                        blocks, slot = self.engine.transfer_slots(req.request_id)
-                        first = req.num_computed_tokens // self.engine.config.cache.block_size
-                        self.remote_kv.on_blocks_ready(req.request_id, blocks, first, slot)
+                    for req in self.engine.remote.take_newly_remote():
+                        self.remote_kv.on_blocks_ready(req.request_id, self.engine.remote.target(req.request_id))
                 for out in outputs:
                     self._deliver(out)
         except BaseException as exc:

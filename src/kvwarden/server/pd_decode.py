@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvwarden.cache.kv_transfer import TransferAgent
+from kvwarden.engine.remote_kv import TransferMemory
 from kvwarden.server.async_engine import AsyncEngine, PrefillTimeoutError, RemotePrefillError
 from kvwarden.server.pd_protocol import AbortReport, PeerInfo, PrefillOrder, PrefillReport
 
@@ -90,14 +91,14 @@ class DecodeService:
             self._expected[request_id] = _Transfer(url.rstrip("/"), list(token_ids), cache_salt)
 
     # ------------------------------------------------------------ engine thread
-    def on_blocks_ready(self, request_id: str, block_ids: list[int], first_block: int, slot: int | None) -> None:
+    def on_blocks_ready(self, request_id: str, memory: TransferMemory) -> None:
         with self._lock:
             transfer = self._expected.pop(request_id, None)
             if transfer is None:
                 return
             self._transfers[request_id] = transfer
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._start, request_id, transfer, block_ids, first_block, slot)
+        self.loop.call_soon_threadsafe(self._start, request_id, transfer, memory)
 
     def on_abort(self, request_id: str) -> bool:
         with self._lock:
@@ -130,14 +131,14 @@ class DecodeService:
             self._transfers.pop(request_id, None)
 
     # ------------------------------------------------------------------ loop
-    def _start(self, rid: str, transfer: _Transfer, blocks: list[int], first: int, slot: int | None) -> None:
+    def _start(self, rid: str, transfer: _Transfer, memory: TransferMemory) -> None:
         with self._lock:
             if transfer.phase is not _Phase.NEW:
                 return  # aborted before the order went out
             transfer.phase = _Phase.SENT
-        transfer.task = asyncio.ensure_future(self._order(rid, transfer, blocks, first, slot))
+        transfer.task = asyncio.ensure_future(self._order(rid, transfer, memory))
 
-    async def _order(self, rid: str, transfer: _Transfer, blocks: list[int], first: int, slot: int | None) -> None:
+    async def _order(self, rid: str, transfer: _Transfer, memory: TransferMemory) -> None:
         assert self.http is not None
         self.counters["orders"] += 1
         started = time.perf_counter()
@@ -146,9 +147,10 @@ class DecodeService:
                 transfer_id=self._tid(rid),
                 token_ids=transfer.token_ids,
                 cache_salt=transfer.cache_salt,
-                block_ids=blocks,
-                first_block=first,
-                state_slot=slot,
+                block_ids=memory.block_ids,
+                first_block=memory.first_block,
+                state_slot=memory.state_slot,
+                snapshot_slots=sorted(memory.snapshot_slots.items()),
                 peer=PeerInfo(
                     agent=self.agent.name,
                     metadata=base64.b64encode(self.agent.metadata).decode(),
@@ -185,7 +187,7 @@ class DecodeService:
         self.counters["done"] += 1
         self.counters["bytes"] += report.bytes
         self.transfer_seconds.append(time.perf_counter() - started)
-        await self.engine.call(lambda e: e.remote_done(rid, report.cached_tokens))
+        await self.engine.call(lambda e: e.remote.done(rid, report.cached_tokens, report.snapshots))
 
     async def _wait_notification(self, tag: bytes) -> None:
         """The NIXL notification of the last write: it is delivered after the transfer's data."""
@@ -232,7 +234,7 @@ class DecodeService:
                 return
             await asyncio.sleep(ABORT_RETRY_S)
         self._forget(rid)
-        await self.engine.call(lambda e: e.release_detached(rid))
+        await self.engine.call(lambda e: e.remote.release(rid))
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -98,10 +98,14 @@ class PrefillService:
             if state.aborted:
                 return self._report("aborted", state)
             state.writing = True
-            blocks, slot = await self.engine.call(lambda e: e.transfer_slots(rid))
-            end = -(-(len(order.token_ids) - 1) // peer.block_size)
-            remote_blocks = order.block_ids[order.first_block : end]
-            pieces = self.agent.plan(peer, blocks[order.first_block : end], remote_blocks, slot, order.state_slot)
+            mine = await self.engine.call(lambda e: e.remote.source(rid))
+            first, end = order.first_block, -(-(len(order.token_ids) - 1) // peer.block_size)
+            theirs = dict(order.snapshot_slots)
+            snaps = [(i, mine.snapshot_slots[i], theirs[i]) for i in sorted(theirs) if i in mine.snapshot_slots]
+            pieces = self.agent.plan(
+                peer, mine.block_ids[first:end], order.block_ids[first:end], mine.state_slot, order.state_slot,
+                [(a, b) for _, a, b in snaps],
+            )  # fmt: skip
             handles: list[Any] = []
             for i, piece in enumerate(pieces):
                 if self.delay_s:
@@ -115,13 +119,18 @@ class PrefillService:
             await self._settle(handles, state)
             self.counters["writes"] += state.posted
             self.counters["bytes"] += state.bytes
-            status = "aborted" if state.aborted else "done"
-            return self._report(status, state, state.posted, computed - started, time.perf_counter() - computed, cached)
+            if state.aborted:
+                return self._report("aborted", state)
+            report = self._report(
+                "done", state, state.posted, computed - started, time.perf_counter() - computed, cached
+            )
+            report.snapshots = [i for i, _, _ in snaps]
+            return report
         except asyncio.CancelledError:
             return self._report("aborted", state)
         finally:
             with contextlib.suppress(Exception):
-                await self.engine.call(lambda e: e.release_detached(rid))
+                await self.engine.call(lambda e: e.remote.release(rid))
             state.quiet.set()
             self._orders.pop(order.transfer_id, None)
             if state.aborted:

@@ -6,8 +6,9 @@ made by the decode instance; every call has a timeout on the caller's side.
 
 ``POST /pd/v1/prefill`` (:class:`PrefillOrder` -> :class:`PrefillReport`)
     "Compute ``token_ids[:-1]`` and write its KV into my blocks
-    ``block_ids[first_block:]`` (and the recurrent working state into my slot
-    ``state_slot``)." Answered when every write has landed (``status: done``;
+    ``block_ids[first_block:]`` (and, for hybrid models, the recurrent working
+    state into my slot ``state_slot`` and the boundary states of those blocks
+    into my snapshot slots ``snapshot_slots``)." Answered when every write has landed (``status: done``;
     the last write also carries the NIXL notification ``transfer_id``), or
     ``status: aborted`` if an abort came first. Writes started by this call go
     on even if the caller hangs up: only ``/pd/v1/abort`` stops them.
@@ -49,6 +50,7 @@ class PrefillOrder(_Message):
     block_ids: list[int]
     first_block: int = Field(ge=0)
     state_slot: int | None = None
+    snapshot_slots: list[tuple[int, int]] = []  # (block index, slot): the state at that block's end
     peer: PeerInfo
 
 
@@ -59,6 +61,7 @@ class PrefillReport(_Message):
     compute_s: float = 0.0
     transfer_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens the prefill instance found in its own prefix cache
+    snapshots: list[int] = []  # block indices whose boundary state was written
 
 
 class AbortOrder(_Message):
