@@ -167,13 +167,19 @@ def test_transfer_timeout_fails_the_request_and_reclaims_after_the_handshake() -
         assert stats(prefill)["aborts_received"] == 1
 
 
-@pytest.mark.parametrize("flag", [["--unsafe-pd-abort"], ["--inject-fault", "transfer-delay=5"]])
-def test_role_flags_are_checked(flag: list[str]) -> None:
-    cmd = [sys.executable, "-m", "kvwarden.cli", "serve", "builtin:llama-tiny", "--port", "0", *flag]
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--unsafe-pd-abort"], "--unsafe-pd-abort"),
+        (["--inject-fault", "transfer-delay=5"], "transfer-delay"),
+        (["--role", "decode", "--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+        (["--role", "decode", "--pd-transfer-timeout", "0"], "--pd-transfer-timeout"),
+    ],
+)
+def test_role_flags_are_checked(flags: list[str], named: str) -> None:
+    cmd = [sys.executable, "-m", "kvwarden.cli", "serve", "builtin:llama-tiny", "--port", "0", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    name = flag[0] if flag[0] == "--unsafe-pd-abort" else "transfer-delay"
-    assert name in done.stderr and "--role" in done.stderr
+    assert done.returncode != 0 and named in done.stderr, done.stderr
 
 
 def campaign(unsafe: bool, cfg: CampaignConfig) -> Any:

@@ -145,7 +145,9 @@ class TransferAgent:
             os.environ.setdefault(key, value)
         api = load_nixl()
         self.name = name
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        # NOTE: no NIXL progress thread: it polls without pause (a whole core per instance, measured);
+        # the server drives progress itself, only while a transfer is under way.
+        self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._mem = "VRAM" if kv and kv[0][0].is_cuda else "DRAM"
         tensors = [t for pair in kv for t in pair] + list(states) + list(snapshots)
         for t in tensors:
@@ -219,7 +221,11 @@ class TransferAgent:
         self._agent.release_xfer_handle(handle)
 
     def notifications(self) -> dict[str, list[bytes]]:
-        """Notifications peers attached to completed writes, by peer name (drains them)."""
+        """Notifications peers attached to completed writes, by peer name (drains them).
+
+        Also the target side's progress: a peer's writes into this agent's memory move
+        only while this is called (or :meth:`state`, on the initiating side).
+        """
         return self._agent.get_new_notifs()
 
 

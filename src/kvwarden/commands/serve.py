@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     args.faults = Faults.parse(args.inject_fault)
     if args.faults.transfer_delay is not None and args.role != "prefill":
         raise ValueError("--inject-fault transfer-delay: applies to the prefill role (--role prefill)")
+    if args.role != "both" and args.speculative_config:
+        raise ValueError(f"--speculative-config: not supported with --role {args.role} yet (disaggregated requests)")
     if args.unsafe_pd_abort and args.role != "decode":
         raise ValueError("--unsafe-pd-abort: applies to the decode role (--role decode)")
     try:

@@ -30,7 +30,8 @@ from kvwarden.server.pd_protocol import AbortReport, PeerInfo, PrefillOrder, Pre
 
 log = logging.getLogger("kvwarden.pd")
 
-NOTIFY_POLL_S = 0.0005
+NOTIFY_POLL_S = 0.0005  # transport polling while a transfer is under way
+UNSAFE_DRAIN_S = 10.0  # --unsafe-pd-abort: progress is still driven this long for a freed transfer
 NOTIFY_TIMEOUT_S = 10.0  # the notification travels behind the data: it is late only if the peer broke
 ABORT_RETRY_S = 0.5  # between attempts to get "safe to reclaim" from an unreachable prefill instance
 ABORT_ANSWER_S = 30.0  # an abort is answered after the writes in flight land: longer than one write
@@ -70,6 +71,9 @@ class DecodeService:
         self._transfers: dict[str, _Transfer] = {}
         self._expected: dict[str, _Transfer] = {}  # registered before the request is queued
         self._notified: set[bytes] = set()  # tags of notifications that arrived before their waiter
+        self._receiving: set[str] = set()  # requests whose writes may be under way: progress is driven for them
+        self._progress: asyncio.Task[None] | None = None
+        self._work = asyncio.Event()  # set when _receiving gains a member
         self.counters = {
             **{"orders": 0, "done": 0, "failed": 0, "handshakes": 0, "unsafe_frees": 0, "bytes": 0},
             # aborts by the transfer's stage: blocks allocated but no order sent, order sent, transfer done
@@ -80,10 +84,23 @@ class DecodeService:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.transfer_timeout, connect=5.0))
+        self._progress = asyncio.ensure_future(self._drive_progress())
 
     async def close(self) -> None:
+        if self._progress is not None:
+            self._progress.cancel()
         if self.http is not None:
             await self.http.aclose()
+
+    async def _drive_progress(self) -> None:
+        """Poll the transport while writes may be landing here (the peer's writes move only then)."""
+        while True:
+            if not self._receiving:
+                self._work.clear()
+                await self._work.wait()
+            for messages in self.agent.notifications().values():
+                self._notified.update(messages)
+            await asyncio.sleep(NOTIFY_POLL_S)
 
     def expect(self, request_id: str, url: str, token_ids: list[int], cache_salt: str | None) -> None:
         """Call before queuing a remote-prefill request: which prefill instance computes which prompt."""
@@ -121,6 +138,8 @@ class DecodeService:
         if self.unsafe_abort:
             self.counters["unsafe_frees"] += 1
             self._forget(request_id)
+            # The peer's writes still need this side's progress to land (late): drive it a while longer.
+            self.loop.call_soon_threadsafe(self.loop.call_later, UNSAFE_DRAIN_S, self._receiving.discard, request_id)
             return True  # the race re-created: the prefill instance may still be writing
         self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._handshake(request_id, transfer.url)))
         return False
@@ -136,6 +155,8 @@ class DecodeService:
             if transfer.phase is not _Phase.NEW:
                 return  # aborted before the order went out
             transfer.phase = _Phase.SENT
+        self._receiving.add(rid)
+        self._work.set()
         transfer.task = asyncio.ensure_future(self._order(rid, transfer, memory))
 
     async def _order(self, rid: str, transfer: _Transfer, memory: TransferMemory) -> None:
@@ -172,6 +193,7 @@ class DecodeService:
                 with self._lock:  # the order never left: nothing can write into the blocks
                     if transfer.phase is _Phase.SENT:
                         transfer.phase = _Phase.NEW
+                self._receiving.discard(rid)
             if isinstance(exc, httpx.TimeoutException):
                 why = f"the prefill instance at {transfer.url} did not finish within {self.transfer_timeout} s"
                 error: BaseException = PrefillTimeoutError(why + " (--pd-transfer-timeout)")
@@ -183,6 +205,7 @@ class DecodeService:
             if transfer.phase is not _Phase.SENT:
                 return
             transfer.phase = _Phase.DONE  # forgotten when the request finishes or is aborted
+        self._receiving.discard(rid)
         self._notified.discard(self._tid(rid).encode())
         self.counters["done"] += 1
         self.counters["bytes"] += report.bytes
@@ -190,13 +213,9 @@ class DecodeService:
         await self.engine.call(lambda e: e.remote.done(rid, report.cached_tokens, report.snapshots))
 
     async def _wait_notification(self, tag: bytes) -> None:
-        """The NIXL notification of the last write: it is delivered after the transfer's data."""
+        """The NIXL notification of the last write (delivered after the transfer's data; see _drive_progress)."""
         deadline = time.monotonic() + NOTIFY_TIMEOUT_S
         while tag not in self._notified:
-            for messages in self.agent.notifications().values():
-                self._notified.update(messages)
-            if tag in self._notified:
-                break
             if time.monotonic() > deadline:
                 raise RuntimeError("the transfer's completion notification never arrived")
             await asyncio.sleep(NOTIFY_POLL_S)
@@ -234,6 +253,7 @@ class DecodeService:
                 return
             await asyncio.sleep(ABORT_RETRY_S)
         self._forget(rid)
+        self._receiving.discard(rid)  # nothing of this transfer is in flight any more
         await self.engine.call(lambda e: e.remote.release(rid))
 
     def _forget(self, rid: str) -> None:

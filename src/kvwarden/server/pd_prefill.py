@@ -72,7 +72,13 @@ class PrefillService:
         self._orders[order.transfer_id] = state
         state.task = asyncio.create_task(self._run(order, peer, state))
         # Shielded: the caller hanging up must not cancel writes already posted (only an abort stops them).
-        return await asyncio.shield(state.task)
+        try:
+            return await asyncio.shield(state.task)
+        except asyncio.CancelledError:
+            if state.task.cancelled():  # our own abort cancelled it before it began
+                self.counters["aborted"] += 1
+                return PrefillReport(status="aborted")
+            raise
 
     async def abort(self, order: AbortOrder) -> AbortReport:
         self.counters["aborts_received"] += 1
@@ -83,6 +89,9 @@ class PrefillService:
         state.aborted = True
         if not state.writing and state.task is not None:
             state.task.cancel()  # still computing: nothing was posted and nothing will be
+            await asyncio.wait({state.task})
+            # NOTE: a task cancelled before its first step never runs its ``finally``: settle it here.
+            self._close(order.transfer_id, state)
         await state.quiet.wait()
         return AbortReport(safe_to_reclaim=True, writes_posted=state.posted, writes_completed=state.completed)
 
@@ -131,10 +140,14 @@ class PrefillService:
         finally:
             with contextlib.suppress(Exception):
                 await self.engine.call(lambda e: e.remote.release(rid))
-            state.quiet.set()
-            self._orders.pop(order.transfer_id, None)
-            if state.aborted:
-                self._remember(order.transfer_id)
+            self._close(order.transfer_id, state)
+
+    def _close(self, transfer_id: str, state: _Order) -> None:
+        """Nothing of this order is in flight any more: answer its abort, forget it."""
+        state.quiet.set()
+        self._orders.pop(transfer_id, None)
+        if state.aborted:
+            self._remember(transfer_id)
 
     async def _settle(self, handles: list[Any], state: _Order) -> None:
         """Wait until every posted write has completed (or failed: the peer is gone)."""
