@@ -85,7 +85,7 @@ def main() -> None:
             if not result.pools_at_baseline:
                 keys = ("num_blocks", "free_blocks", "running", "waiting", "remote_waiting", "detached_blocks")
                 for name, st in (("decode", result.decode), ("prefill", result.prefill)):
-                    print(f"[{mode}] {name} not back at baseline: {({k: st.get(k) for k in keys})}", file=sys.stderr)
+                    print(f"[{mode}] {name} not back at baseline: { ({k: st.get(k) for k in keys}) }", file=sys.stderr)
             if result.corruptions:
                 console.print(f"[{mode}] first corrupted answers: {result.corruptions}")
     finally:

@@ -12,9 +12,10 @@
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
+#   scripts/gpu_check.sh full pd                      # disaggregated prefill/decode on one GPU (needs NIXL in .whl/)
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile (throughput,
-# spec and speed* in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd
+# (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
 set -uo pipefail
@@ -130,6 +131,16 @@ if [ "$MODE" = full ] && want profile; then
   timeout 200 python3 bench/gpu_profile.py 2>&1 | tee "$OUT/gpu_profile.log" | grep -v -e '^{' -e USDT | tail -n 30
   tail -n 1 "$OUT/gpu_profile.log" > "$OUT/gpu_profile.json"
   record "profile: decode step ms (eager, graph)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_profile.json')); print(round(d['decode_step_s_eager'] * 1e3, 2), round(d['decode_step_s_graph'] * 1e3, 2))" 2>&1 | tail -n 1)"
+fi
+
+if [ "$MODE" = full ] && want pd; then  # disaggregated prefill/decode: three servers sharing the one GPU
+  stage "disaggregated prefill/decode on one GPU: single vs prefill + decode instances (NIXL over UCX, CUDA IPC)"
+  timeout 300 python3 bench/pd.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b --num-requests 32 \
+    --concurrency 8 --long-prompt 2048,4096 --short-prompt 64,128 --short-output 16 --long-output 256 \
+    --server-arg=--num-blocks=4096 2>&1 | tee "$OUT/pd.log" | grep -v '^{' | tail -n 25
+  tail -n 1 "$OUT/pd.log" > "$OUT/pd.json"
+  record "pd: identical text, transfers done/failed" "$(python3 -c "import json; d=json.load(open('$OUT/pd.json')); print(d['identical_text'], d['disaggregated']['transfers'], d['disaggregated']['transfers_failed'])" 2>&1 | tail -n 1)"
+  record "pd: alone overhead ms p50, bytes/request" "$(python3 -c "import json; d=json.load(open('$OUT/pd.json'))['alone']; print(d['overhead_p50_ms'], d['bytes_per_request'])" 2>&1 | tail -n 1)"
 fi
 
 if want hosttier; then

@@ -21,6 +21,7 @@ engine taking part; docs/architecture.md records what else was tried.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -37,12 +38,16 @@ UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 def load_nixl() -> Any:
     """The NIXL Python API (``nixl-cu12`` wheel), or a clear error naming the install."""
-    for name in ("nixl_cu12._api", "nixl._api"):
+    errors = []
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):  # the CUDA 12 / 13 wheels, the meta package
         try:
-            return __import__(name, fromlist=["nixl_agent"])
-        except ImportError:
-            continue
-    raise RuntimeError("--role prefill/decode moves KV through NIXL: pip install 'kvwarden[pd]' (nixl-cu12==1.5.1)")
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise RuntimeError(
+        "--role prefill/decode moves KV through NIXL: pip install 'kvwarden[pd]' (nixl-cu12==1.5.1, or nixl-cu13 "
+        f"with a CUDA 13 torch); tried {'; '.join(errors)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -141,14 +146,16 @@ class TransferAgent:
         snapshots: list[torch.Tensor],
         block_size: int,
     ) -> None:
+        on_gpu = bool(kv) and kv[0][0].is_cuda
         for key, value in UCX_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+            # GPU memory: UCX's CUDA transports (IPC between processes of one host, staged copies otherwise)
+            os.environ.setdefault(key, f"{value},cuda_copy,cuda_ipc" if key == "UCX_TLS" and on_gpu else value)
         api = load_nixl()
         self.name = name
         # NOTE: no NIXL progress thread: it polls without pause (a whole core per instance, measured);
         # the server drives progress itself, only while a transfer is under way.
         self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self._mem = "VRAM" if kv and kv[0][0].is_cuda else "DRAM"
+        self._mem = "VRAM" if on_gpu else "DRAM"
         tensors = [t for pair in kv for t in pair] + list(states) + list(snapshots)
         for t in tensors:
             self._agent.register_memory(t)
