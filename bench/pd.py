@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode against one server: TTFT, inter-token latency, transfer time and bytes moved.
 
-Starts three ``kvwarden serve`` processes of one model on 127.0.0.1 (free ports): a single server
+Starts three ``kvwarden serve`` processes of one model on 127.0.0.1 (free ports; ``probe.launchers``): a single server
 (``--role both``), a prefill instance and a decode instance. One seeded mixed workload (half long prompts
 with short outputs, half short prompts with long generations; random token ids, greedy, ``ignore_eos``)
 streams ``/v1/completions`` at ``--concurrency`` against the single server, then against the decode
@@ -34,22 +34,20 @@ import asyncio
 import json
 import os
 import random
-import re
-import signal
 import statistics
-import subprocess
-import sys
-import threading
+import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
 
-READY_TIMEOUT_S = 300.0
+from kvwarden.probe.launchers import KvwardenLauncher, RunningServer, ServerSettings, log_tail
+
 TOKEN_LOW, TOKEN_HIGH = 3, 1000  # random prompt ids are drawn from [TOKEN_LOW, TOKEN_HIGH)
 NOTE = (
     "2 CPU cores: these figures show the overhead of disaggregation (an extra HTTP hop, the KV copy over "
@@ -60,68 +58,20 @@ console = Console(stderr=True, width=120)
 
 
 # ------------------------------------------------------------------ servers
-@dataclass
-class Server:
-    name: str
-    url: str
-    process: subprocess.Popen[str]
-    log: list[str]
-
-
-@dataclass
-class _Starting:
-    name: str
-    process: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-    url: list[str] = field(default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)
-    reader: threading.Thread | None = None
-
-
-def _read_output(s: _Starting) -> None:
-    assert s.process.stdout is not None
-    for line in s.process.stdout:
-        s.log.append(line.rstrip())
-        match = re.search(r"listening on (http://\S+)", line)
-        if match:
-            s.url.append(match.group(1))
-        if "kvwarden serve: ready" in line:
-            s.ready.set()
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM, then SIGKILL after 15 s (only this process, which this script started)."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=15)
-
-
 @contextmanager
-def servers(args: argparse.Namespace, roles: list[tuple[str, str]]) -> Iterator[dict[str, Server]]:
-    """Start one ``kvwarden serve`` per (name, role) at once, wait for all to be ready; stop them all on exit."""
-    started: list[_Starting] = []
-    with ExitStack() as stack:
+def servers(args: argparse.Namespace, roles: list[tuple[str, str]]) -> Iterator[dict[str, RunningServer]]:
+    """One ``kvwarden serve`` per (name, role), ready before the next starts; all stopped on exit."""
+    run_dir = Path(tempfile.mkdtemp(prefix="kvwarden-pd-bench-"))
+    started: dict[str, RunningServer] = {}
+    try:
         for name, role in roles:
-            cmd = [sys.executable, "-m", "kvwarden.cli", "serve", args.model, "--port", "0", "--role", role]
-            cmd += ["--device", args.device, "--dtype", args.dtype, "--disable-log-requests", *args.server_arg]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
-            s = _Starting(name, proc)
-            stack.callback(_stop, proc)
-            s.reader = threading.Thread(target=_read_output, args=(s,), daemon=True)
-            s.reader.start()
-            started.append(s)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for s in started:
-            while not s.ready.wait(0.2):
-                if s.process.poll() is not None or time.monotonic() > deadline:
-                    why = "exited" if s.process.poll() is not None else "timed out"
-                    raise RuntimeError(f"{s.name} server did not start ({why}):\n" + "\n".join(s.log[-40:]))
-        yield {s.name: Server(s.name, s.url[0], s.process, s.log) for s in started}
+            extra = ("--role", role, "--disable-log-requests", *args.server_arg)
+            settings = ServerSettings(device=args.device, dtype=args.dtype, extra_args=extra)
+            started[name] = KvwardenLauncher().start(args.model, settings, run_dir, name)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
 
 
 # ------------------------------------------------------------------ workload
@@ -295,7 +245,7 @@ def fmt(value: float | None) -> str:
 
 
 # ------------------------------------------------------------------ phases
-async def warm_up(client: httpx.AsyncClient, srv: dict[str, Server], model: str, rng: random.Random) -> None:
+async def warm_up(client: httpx.AsyncClient, srv: dict[str, RunningServer], model: str, rng: random.Random) -> None:
     """One small request each way, so neither side's first request pays one-time costs in the figures."""
     for url, prefill_url in ((srv["single"].url, None), (srv["decode"].url, srv["prefill"].url)):
         s = await one(client, url, model, Work("warm", random_prompt(rng, 128), 4), prefill_url)
@@ -304,7 +254,7 @@ async def warm_up(client: httpx.AsyncClient, srv: dict[str, Server], model: str,
 
 
 async def alone(
-    client: httpx.AsyncClient, srv: dict[str, Server], model: str, args: argparse.Namespace, rng: random.Random
+    client: httpx.AsyncClient, srv: dict[str, RunningServer], model: str, args: argparse.Namespace, rng: random.Random
 ) -> dict[str, Any]:
     """Long prompts one at a time, each to the single server and disaggregated: TTFT difference and bytes."""
     length = span(args.long_prompt)[1]
@@ -354,7 +304,7 @@ async def alone(
     }
 
 
-async def bench(args: argparse.Namespace, srv: dict[str, Server]) -> dict[str, Any]:
+async def bench(args: argparse.Namespace, srv: dict[str, RunningServer]) -> dict[str, Any]:
     rng = random.Random(args.seed)
     work = workload(args, rng)
     limits = httpx.Limits(max_connections=max(8, args.concurrency + 2))
@@ -468,10 +418,9 @@ def main() -> None:
         try:
             result = asyncio.run(bench(args, srv))
         except Exception:
-            for s in srv.values():
-                console.print(f"[dim]--- {s.name} server log (last 20 lines) ---[/dim]")
-                for line in s.log[-20:]:
-                    console.print(line, markup=False, highlight=False)
+            for name, s in srv.items():
+                console.print(f"[dim]--- {name} server log (last 20 lines) ---[/dim]")
+                console.print(log_tail(s.log_path, 20), markup=False, highlight=False)
             raise
     for f in result["failures"][:5]:
         console.print(f"[red]failed:[/red] request {f['request']} ({f['run']}): {f['error']}", highlight=False)
