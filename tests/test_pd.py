@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from kvwarden.bench.pd_faults import CampaignConfig, references, run_campaign
+from kvwarden.bench.pd_faults import CampaignConfig, pool_idle, references, run_campaign
 from kvwarden.probe.client import parse_logprobs
 from server_util import Server, running_guard, running_server
 
@@ -49,7 +49,7 @@ def wait_idle(*servers: Server) -> None:
     deadline = time.monotonic() + 10
     while True:
         all_stats = [stats(s) for s in servers]
-        idle = [s["detached_blocks"] == 0 and s["free_blocks"] == s["num_blocks"] for s in all_stats]
+        idle = [pool_idle(s) for s in all_stats]
         if all(idle) or time.monotonic() > deadline:
             assert all(idle), all_stats
             return

@@ -167,12 +167,13 @@ async def _settled(http: httpx.AsyncClient, decode_url: str, prefill_url: str) -
     while True:
         decode = (await http.get(f"{decode_url}/pd/v1/stats")).json()
         prefill = (await http.get(f"{prefill_url}/pd/v1/stats")).json()
-        idle = all(_idle(s) for s in (decode, prefill))
+        idle = all(pool_idle(s) for s in (decode, prefill))
         if idle or time.monotonic() > deadline:
             return idle, decode, prefill
         await asyncio.sleep(0.2)
 
 
-def _idle(stats: dict[str, Any]) -> bool:
+def pool_idle(stats: dict[str, Any]) -> bool:
+    """From an instance's ``/pd/v1/stats``: no request runs, waits or holds a block."""
     busy = ("running", "waiting", "remote_waiting", "detached_blocks")
     return all(stats[k] == 0 for k in busy) and stats["free_blocks"] == stats["num_blocks"]

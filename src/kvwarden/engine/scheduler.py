@@ -127,12 +127,7 @@ class Scheduler:
             n = self.rule.chunk(req, start, min(req.num_tokens - start, budget))
             if n <= 0 or self.kv.allocate_slots(req, n, hits) is None:
                 break
-            self.waiting.popleft()
-            self.kv.record_query(req.num_tokens, num_hit)
-            req.num_computed_tokens = start
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.status = Status.RUNNING
+            self._take_waiting(req, start, num_hit, Status.RUNNING)
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, start, n))
             budget -= n
@@ -142,14 +137,19 @@ class Scheduler:
         """Blocks for the whole prompt, then wait in ``remote``; False if the pool cannot hold it."""
         if self.kv.allocate_slots(req, req.num_tokens - num_hit, hits) is None:
             return False
-        self.waiting.popleft()
-        self.kv.record_query(req.num_tokens, num_hit)
-        req.num_computed_tokens = num_hit
-        req.num_cached_tokens = num_hit
-        req.status = Status.REMOTE
+        self._take_waiting(req, num_hit, num_hit, Status.REMOTE)
         self.remote.append(req)
         self.newly_remote.append(req)
         return True
+
+    def _take_waiting(self, req: Request, start: int, num_hit: int, status: Status) -> None:
+        """The head of the queue got its blocks: it leaves the queue with ``start`` tokens computed."""
+        self.waiting.popleft()
+        self.kv.record_query(req.num_tokens, num_hit)
+        req.num_computed_tokens = start
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.status = status
 
     def remote_done(self, req: Request) -> None:
         """The prompt's KV but its last token is written: publish the full blocks and run the request.

@@ -206,7 +206,6 @@ class DecodeService:
                 return
             transfer.phase = _Phase.DONE  # forgotten when the request finishes or is aborted
         self._receiving.discard(rid)
-        self._notified.discard(self._tid(rid).encode())
         self.counters["done"] += 1
         self.counters["bytes"] += report.bytes
         self.transfer_seconds.append(time.perf_counter() - started)
