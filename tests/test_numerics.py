@@ -39,7 +39,23 @@ def test_linear_row_is_independent_of_batch(k: int, n: int, rows: int, pos: int,
     assert torch.equal(_bits(OPS.linear(batch, w)[pos]), _bits(alone[0]))
 
 
-@given(rows=st.integers(1, 200), pos=st.integers(0, 199), hidden=st.sampled_from([64, 100, 576, 1000, 1536]))
+@pytest.mark.parametrize(("k", "n"), [*SHAPES, (1024, 3072), (2048, 1024), (576, 49152)])
+def test_gemm_rows_do_not_depend_on_a_row_count_of_whole_tiles(k: int, n: int) -> None:
+    """The library fact under CanonicalOps.linear's single call: for row counts that are multiples of
+    16, every row comes out as the 16-row product computes it, up to a 2048-token prefill chunk."""
+    gen = torch.Generator().manual_seed(k * n)
+    x, w = torch.randn(2048 if n < 10_000 else 256, k, generator=gen), torch.randn(n, k, generator=gen)
+    tiles = _bits(torch.cat([torch.mm(x[i : i + 16], w.t()) for i in range(0, x.shape[0], 16)]))
+    for m in (16, 32, 48, 112, 256, 528, 1024, 2048):
+        if m <= x.shape[0]:
+            assert torch.equal(_bits(torch.mm(x[:m], w.t())), tiles[:m]), m
+
+
+@given(
+    rows=st.integers(1, 200),
+    pos=st.integers(0, 199),
+    hidden=st.sampled_from([32, 64, 100, 256, 576, 1000, 1536, 2048, 4096, 16384]),
+)
 @settings(max_examples=30, deadline=None)
 def test_row_and_pointwise_ops_are_independent_of_batch(rows: int, pos: int, hidden: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + hidden)
@@ -50,6 +66,7 @@ def test_row_and_pointwise_ops_are_independent_of_batch(rows: int, pos: int, hid
     assert torch.equal(_bits(OPS.rms_norm(x, w, 1e-6)[pos]), _bits(OPS.rms_norm(row, w, 1e-6)[0]))
     assert torch.equal(_bits(OPS.silu_mul(x, x)[pos]), _bits(OPS.silu_mul(row, row)[0]))
     assert torch.equal(_bits(OPS.exp(x)[pos]), _bits(OPS.exp(row)[0]))
+    assert torch.equal(_bits(OPS.log_softmax(x)[pos]), _bits(OPS.log_softmax(row)[0]))
 
 
 @pytest.mark.parametrize(
@@ -76,15 +93,34 @@ def test_cumsum_is_a_sequential_float64_fold() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("rep", [1, 2, 3, 4])
+@pytest.mark.parametrize("rep", [1, 2, 3, 4, 8])
 def test_attention_scores_do_not_depend_on_the_key_count(head_dim: int, rep: int) -> None:
-    """The canonical kernel's q.k product has fixed rows (rep * 16) and inner size (head_dim) but as many
-    columns as the group's keys: a score must not depend on that column count, nor on the batch count."""
-    m = rep * 16
+    """The canonical kernel's q.k product (right operand transposed, as the kernel passes it) has rows
+    fixed by the item and inner size head_dim but as many columns as the group's keys: a score must not
+    depend on that column count, nor on the batch count, nor on the operand's layout."""
+    m = rep * 64
     gen = torch.Generator().manual_seed(head_dim * 10 + rep)
     q = torch.randn(3, m, head_dim, generator=gen)
-    k = torch.randn(3, head_dim, 4096, generator=gen)
-    full = _bits(torch.bmm(q, k))
-    for n in (16, 32, 48, 160, 512, 1040, 2048):
-        assert torch.equal(_bits(torch.bmm(q, k[:, :, :n])), full[:, :, :n]), n
-        assert torch.equal(_bits(torch.bmm(q[:1], k[:1, :, :n])), full[:1, :, :n]), n
+    k = torch.randn(3, 4096, head_dim, generator=gen)
+    full = _bits(torch.bmm(q, k.transpose(1, 2)))
+    assert torch.equal(_bits(torch.bmm(q, k.transpose(1, 2).contiguous())), full)
+    for n in (64, 128, 192, 320, 512, 1088, 2048):
+        assert torch.equal(_bits(torch.bmm(q, k[:, :n].transpose(1, 2))), full[:, :, :n]), n
+        assert torch.equal(_bits(torch.bmm(q[:1], k[:1, :n].transpose(1, 2))), full[:1, :, :n]), n
+
+
+@pytest.mark.parametrize(("k", "n"), [(32, 320), (64, 1024), (128, 129), (64, 33), (64, 65), (64, 129), (1536, 576)])
+@given(rows=st.integers(1, 64).map(lambda r: 4 * r), seed=st.integers(0, 1000))
+@settings(max_examples=12, deadline=None)
+def test_gemm_row_depends_on_its_row_only_for_row_counts_of_four(k: int, n: int, rows: int, seed: int) -> None:
+    """The fact that lets the canonical attention pack a decode step's query heads into round_up(rep, 4)
+    rows while a prefill tile uses rep * 64: for row counts that are multiples of 4, an output row's bits
+    depend on its input row and the right operand only, not on the row count or where the row sits, in
+    mm and in bmm. Shapes: scores (head_dim x keys), P @ [V | 1] (key tile x head_dim + 1), a linear."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(256, k, generator=gen), torch.randn(k, n, generator=gen)
+    ref = _bits(torch.mm(a, b))
+    pick = torch.randperm(256, generator=gen)[:rows]
+    assert torch.equal(_bits(torch.mm(a[pick], b)), ref[pick])
+    batched = torch.bmm(a[pick].expand(3, rows, k), b.expand(3, k, n))
+    assert torch.equal(_bits(batched[2]), ref[pick])

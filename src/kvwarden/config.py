@@ -36,11 +36,13 @@ class NumericsConfig:
             positions only (kvwarden's contract). ``"shape-dependent"`` calls the
             library kernels on whatever shape the scheduler produced, as vendor
             engines do: faster, but results depend on batch and chunk shape.
-        row_tile: rows per GEMM / row-wise kernel call in canonical mode. Every
-            call sees exactly this many rows (padded), so the BLAS library picks
-            the same kernel whatever the batch size.
-        key_tile: keys per attention tile; tiles are aligned to absolute key
-            position 0 so softmax and P@V reductions never depend on the chunk.
+        row_tile: canonical GEMMs see a multiple of this many rows (zero
+            padded; a multiple of 4, the BLAS library's row group), and long-row
+            reductions run on tiles of exactly this many rows.
+        key_tile: keys per ``P @ V`` tile of the canonical CPU attention; tiles
+            are aligned to absolute key position 0 and summed in a fixed tree, so
+            the reduction over keys never depends on the chunk. Prefill queries
+            are cut into tiles of as many positions.
         pointwise_chunk: elements per call of a transcendental element-wise kernel
             (exp, silu). Below torch's parallel grain size and a multiple of every
             SIMD width, so each element takes the vectorised path, never a tail.
@@ -55,7 +57,7 @@ class NumericsConfig:
 
     mode: NumericsMode = "canonical"
     row_tile: int = 16
-    key_tile: int = 16
+    key_tile: int = 64
     pointwise_chunk: int = 16384
     scan_chunk: int = 16
     kernels: str = "auto"
@@ -66,6 +68,8 @@ class NumericsConfig:
         for name in ("row_tile", "key_tile", "pointwise_chunk", "scan_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"numerics.{name} must be >= 1")
+        if self.row_tile % 4:
+            raise ValueError("numerics.row_tile must be a multiple of 4 (GEMM rows come in groups of 4)")
         if self.pointwise_chunk % 64:
             raise ValueError("numerics.pointwise_chunk must be a multiple of 64")
         if self.kernels not in ("auto", "triton"):

@@ -16,9 +16,16 @@ Why canonical mode is needed (measured on this machine's torch 2.13 + MKL):
 
 Canonical mode answers each of these by construction:
 
-* GEMMs and row reductions run on tiles of exactly ``row_tile`` rows (padded),
-  one library call per tile. Same shape in, same kernel out, and a GEMM never
-  mixes rows, so a row's bits do not depend on its batch partners.
+* GEMMs see a row count that is a multiple of ``row_tile`` (zero rows
+  padded). MKL's float32 GEMM takes the same path for every row of such a
+  product (only a tail of 1-3 rows below 12 goes elsewhere) and never mixes
+  rows, so a row's bits do not depend on its batch partners; one call covers
+  the whole batch (``tests/test_numerics.py`` pins this). Other dtypes keep
+  one call per ``row_tile`` tile.
+* Row reductions of rows up to ``pointwise_chunk`` elements run in one call
+  (one fixed vectorised loop per row, parallelised over rows); longer rows,
+  which torch would split across threads when alone, run on tiles of exactly
+  ``row_tile`` rows.
 * Transcendental element-wise kernels run on flat pieces of exactly
   ``pointwise_chunk`` elements: below torch's parallel grain and a multiple of
   every SIMD width, so every element takes the vectorised path.
@@ -35,13 +42,8 @@ from itertools import pairwise
 import torch
 
 from kvwarden.config import NumericsConfig
-from kvwarden.layers.attention import (
-    AttentionPlan,
-    SeqAttn,
-    build_plan,
-    canonical_attention,
-    shape_dependent_attention,
-)
+from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
+from kvwarden.layers.canonical_attention import build_tile_plan, canonical_attention
 from kvwarden.layers.rotary import RotaryEmbedding
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
@@ -181,7 +183,7 @@ class Ops:
         self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
     ) -> AttentionPlan:
         """Everything the attention layers need for one step, built once per step."""
-        return build_plan(seqs, num_rows, self.config.row_tile, self.config.key_tile, null_slot)
+        return AttentionPlan(seqs=tuple(seqs), num_rows=num_rows)
 
     def attention(
         self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
@@ -199,19 +201,41 @@ class CanonicalOps(Ops):
     def attention(
         self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
     ) -> torch.Tensor:
-        nc = self.config
-        return canonical_attention(q, kv[0], kv[1], plan, scale, self.exp, nc.row_tile, nc.key_tile)
+        return canonical_attention(q, kv[0], kv[1], plan, scale, self.exp, self.config.key_tile)
+
+    def attention_plan(
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+    ) -> AttentionPlan:
+        return build_tile_plan(seqs, num_rows, self.config.key_tile, null_slot)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # NOTE(invariance): one torch.mm per tile of exactly row_tile rows; the
-        # padded rows are zeros and are dropped. Same call shape every time.
         wt = weight.t()
-        out = _tiled_rows(lambda t: torch.mm(t, wt), x, self.config.row_tile)
+        tile = self.config.row_tile
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            # NOTE(invariance): MKL's float32 GEMM computes a row the same way for every row
+            # count that is a multiple of 16 (only a short tail of 1-3 rows takes another path);
+            # tests/test_numerics.py pins it for every preset shape. So pad the rows to a multiple
+            # of row_tile with zeros and make one call: the bits of each 16-row tile call, without
+            # one call (and its padding copies) per tile.
+            rows = x.shape[0]
+            padded = -(-rows // tile) * tile
+            if padded != rows:
+                x = torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
+            out = torch.mm(x, wt)[:rows]
+        else:
+            # NOTE(invariance): unmeasured dtypes keep one torch.mm per tile of exactly row_tile rows;
+            # the padded rows are zeros and are dropped. Same call shape every time.
+            out = _tiled_rows(lambda t: torch.mm(t, wt), x, tile)
         return out if bias is None else out + bias
 
     def rows(self, fn: RowFn, x: torch.Tensor) -> torch.Tensor:
-        # NOTE(invariance): row reductions of one fixed [row_tile, H] shape are
-        # parallelised over rows, never within a row.
+        # NOTE(invariance): torch reduces a contiguous row with one fixed vectorised loop, in one
+        # thread, whatever the row count, as long as a single row stays under the parallel grain
+        # (a lone long row is split across threads; the vocabulary's log-softmax can be one). Rows
+        # up to pointwise_chunk elements therefore run in one call; longer ones keep fixed
+        # [row_tile, n] calls, parallelised over rows, never within a row.
+        if x.shape[-1] <= self.config.pointwise_chunk:
+            return fn(x)
         return _tiled_rows(fn, x, self.config.row_tile)
 
     def pointwise(self, fn: RowFn, x: torch.Tensor) -> torch.Tensor:
