@@ -4,10 +4,12 @@ nano-vllm's benchmark shape scaled for a 2-core CPU: N requests of random token
 ids, input lengths uniform in [min_input, max_input], output lengths uniform in
 [min_output, max_output], sampling at temperature 0.6 with ignore_eos, fixed
 seed. transformers runs the same requests with batched ``generate`` (left
-padding, batches of --hf-batch, each batch generating up to its longest
-request); only requested tokens count as output.
+padding, batches of each --hf-batch size, each batch generating up to its
+longest request); only requested tokens count as output. The targets compare
+kvwarden's canonical path with transformers at its best batch size (>= 1.0x)
+and with kvwarden's own shape-dependent path (>= 0.75x).
 
-Prints a table and ends with one JSON line.
+Prints a table and the targets, and ends with one JSON line.
 
     python bench/offline.py                       # full run (both models, ~30 min)
     python bench/offline.py --quick               # smoke run (seconds)
@@ -74,7 +76,7 @@ def run_kvwarden(model: str, reqs: list[tuple[list[int], int]], numerics: str, a
     return Result(model, f"kvwarden ({numerics})", len(reqs), sum(len(p) for p, _ in reqs), produced, seconds)
 
 
-def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argparse.Namespace) -> Result:
+def run_transformers(model: str, reqs: list[tuple[list[int], int]], hf_batch: int, args: argparse.Namespace) -> Result:
     from transformers import AutoModelForCausalLM
 
     from kvwarden.models.sources import resolve_model
@@ -90,8 +92,8 @@ def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argpar
     pad = 0
     start = time.perf_counter()
     produced = 0
-    for b in range(0, len(reqs), args.hf_batch):
-        batch = reqs[b : b + args.hf_batch]
+    for b in range(0, len(reqs), hf_batch):
+        batch = reqs[b : b + hf_batch]
         width = max(len(p) for p, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -114,7 +116,8 @@ def run_transformers(model: str, reqs: list[tuple[list[int], int]], args: argpar
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return Result(model, "transformers generate", len(reqs), sum(len(p) for p, _ in reqs), produced, seconds)
+    engine = f"transformers generate (batch {hf_batch})"
+    return Result(model, engine, len(reqs), sum(len(p) for p, _ in reqs), produced, seconds)
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -130,6 +133,27 @@ def vocab_size(model: str) -> int:
     if path.suffix == ".gguf":
         return 49152
     return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+def check_targets(results: list[Result]) -> list[dict[str, object]]:
+    """canonical >= 1.0x transformers at its best batch size; canonical >= 0.75x shape-dependent."""
+    out: list[dict[str, object]] = []
+    for model in dict.fromkeys(r.model for r in results):
+        mine = {r.engine: r.output_tok_s for r in results if r.model == model}
+        canonical = mine.get("kvwarden (canonical)")
+        hf = {e: v for e, v in mine.items() if e.startswith("transformers")}
+        if canonical is None:
+            continue
+        if hf:
+            best = max(hf, key=lambda e: hf[e])
+            ratio = canonical / hf[best]
+            out.append({"model": model, "target": f"canonical vs {best} >= 1.0", "ratio": ratio, "met": ratio >= 1.0})
+        fast = mine.get("kvwarden (shape-dependent)")
+        if fast:
+            ratio = canonical / fast
+            target = "canonical vs shape-dependent >= 0.75"
+            out.append({"model": model, "target": target, "ratio": ratio, "met": ratio >= 0.75})
+    return out
 
 
 def print_table(results: list[Result], device: str) -> None:
@@ -164,7 +188,7 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--hf-batch", type=int, default=16)
+    p.add_argument("--hf-batch", type=int, nargs="+", default=[16, 32, 64], help="transformers batch sizes to try")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (transformers runs on the same device)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
@@ -172,17 +196,20 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.max_input, args.min_input = 4, 48, 16
-        args.min_output, args.max_output, args.hf_batch = 4, 8, 2
+        args.min_output, args.max_output, args.hf_batch = 4, 8, [2]
     results: list[Result] = []
     for model in args.models:
         reqs = workload(args, vocab_size(model))
         for engine in args.engines:
             print(f"[{model}] {engine} ...", file=sys.stderr, flush=True)
             if engine == "transformers":
-                results.append(run_transformers(model, reqs, args))
+                results.extend(run_transformers(model, reqs, size, args) for size in args.hf_batch)
             else:
                 results.append(run_kvwarden(model, reqs, engine, args))
     print_table(results, _device(args))
+    targets = check_targets(results)
+    for t in targets:
+        print(f"{t['model']}: {t['target']}: {t['ratio']:.2f}x -> {'met' if t['met'] else 'MISSED'}", file=sys.stderr)
     summary = {
         "benchmark": "offline",
         "device": _device(args),
@@ -191,6 +218,7 @@ def main() -> None:
             k: getattr(args, k) for k in ("num_requests", "min_input", "max_input", "min_output", "max_output", "seed")
         },
         "results": [{**asdict(r), "output_tok_s": round(r.output_tok_s, 2)} for r in results],
+        "targets": targets,
     }
     print(json.dumps(summary))
 
