@@ -53,11 +53,15 @@ class TileGroup:
     q_rows: torch.Tensor  # [G, Q] row of each query in the batch, -1 for a padding slot
     q_pos: torch.Tensor  # [G, Q] absolute position of each query, -1 for a padding slot
     kv_slots: torch.Tensor  # [G, n] cache slot of key position j (the null slot past the context)
-    _heads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False)
+    _heads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False
+    )
 
-    def head_rows(self, hq: int, hkv: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_rows(self, hq: int, hkv: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Index ``[G, Hkv, M]`` of each GEMM row into ``q`` viewed as ``[rows * Hq + 1, D]`` (padding
-        reads the last, all-zero row) and the visibility mask ``[G, 1, M, n]``; computed once per step.
+        reads the last, all-zero row), index ``[G, Hkv, n]`` of each key into the cache viewed as
+        ``[slots * Hkv, D]``, and the mask ``[G, 1, M, n]`` of keys a row must not see; computed once
+        per step and shared by every attention layer.
 
         Row ``r * Q + i`` of kv head ``h`` is query ``i``'s head ``h * rep + r``; ``M`` is ``rep * Q``
         rounded up to a multiple of 4 (see the module note).
@@ -67,7 +71,7 @@ class TileGroup:
             self._heads[key] = self._build_heads(hq, hkv, num_rows)
         return self._heads[key]
 
-    def _build_heads(self, hq: int, hkv: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build_heads(self, hq: int, hkv: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, q = self.q_rows.shape
         rep = hq // hkv
         m = -(-rep * q // 4) * 4
@@ -82,7 +86,8 @@ class TileGroup:
         if m > rep * q:
             idx = torch.cat([idx, idx.new_full((g, hkv, m - rep * q), pad_row)], dim=2)
             vis = torch.cat([vis, vis.new_zeros((g, 1, m - rep * q, n))], dim=2)
-        return idx, vis
+        kv_idx = self.kv_slots.view(g, 1, n) * hkv + torch.arange(hkv).view(1, hkv, 1)
+        return idx, kv_idx, ~vis
 
 
 def build_tile_plan(seqs: list[SeqAttn], num_rows: int, k_tile: int, null_slot: int) -> AttentionPlan:
@@ -164,19 +169,17 @@ def canonical_attention(
     k_flat = k_cache.view(-1, d)
     v_flat = v_cache.view(-1, d + 1)
     out = q_flat.new_empty((rows * hq + 1, d))
-    heads = torch.arange(hkv)
     for group in plan.groups:
-        q_idx, visible = group.head_rows(hq, hkv, rows)
+        q_idx, kv_idx, hidden = group.head_rows(hq, hkv, rows)
         g, _, m = q_idx.shape
         n = group.kv_slots.shape[1]
         nk = n // k_tile
-        kv_idx = group.kv_slots.view(g, 1, n) * hkv + heads.view(1, hkv, 1)  # [g, hkv, n]
         qg = q_flat[q_idx].view(g * hkv, m, d)
         kg = k_flat[kv_idx].float().view(g * hkv, n, d)
         # NOTE(invariance): rows m (a multiple of 4) and inner size d fixed by the model; the key
         # count n and the row's neighbours cannot change its scores (module note).
         scores = torch.bmm(qg, kg.transpose(1, 2)).view(g, hkv, m, n) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(hidden, float("-inf"))
         # Padding rows see nothing: clamping their max to a finite value keeps them at exp(-inf) = 0
         # instead of NaN; a real row's max is finite and unchanged.
         peak = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
