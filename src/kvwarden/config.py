@@ -43,9 +43,10 @@ class NumericsConfig:
             are aligned to absolute key position 0 and summed in a fixed tree, so
             the reduction over keys never depends on the chunk. Prefill queries
             are cut into tiles of as many positions.
-        pointwise_chunk: elements per call of a transcendental element-wise kernel
-            (exp, silu). Below torch's parallel grain size and a multiple of every
-            SIMD width, so each element takes the vectorised path, never a tail.
+        pointwise_chunk: the longest row (elements) a canonical row-wise op
+            (norm, log-softmax) takes in one call; torch splits a lone longer
+            row across threads, so longer rows run on tiles of ``row_tile``
+            rows. (Element-wise kernels pad to SIMD blocks on their own.)
         scan_chunk: tokens per chunk of the canonical recurrent scan (gated delta
             rule, Mamba2 SSD); the grid is fixed to absolute positions and the
             block size must be a multiple of it.

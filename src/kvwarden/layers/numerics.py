@@ -16,19 +16,19 @@ Why canonical mode is needed (measured on this machine's torch 2.13 + MKL):
 
 Canonical mode answers each of these by construction:
 
-* GEMMs see a row count that is a multiple of ``row_tile`` (zero rows
-  padded). MKL's float32 GEMM takes the same path for every row of such a
-  product (only a tail of 1-3 rows below 12 goes elsewhere) and never mixes
-  rows, so a row's bits do not depend on its batch partners; one call covers
-  the whole batch (``tests/test_numerics.py`` pins this). Other dtypes keep
-  one call per ``row_tile`` tile.
+* GEMMs give every row the bits of a call of exactly ``row_tile`` rows
+  (zero rows padded): a fixed shape, whose row results depend on the row
+  only. Larger calls are used only at the row counts measured on this machine
+  to reproduce the tile calls bit for bit (``layers/gemm_rows.py``; MKL's
+  choice differs by CPU). Other dtypes keep one call per tile.
 * Row reductions of rows up to ``pointwise_chunk`` elements run in one call
   (one fixed vectorised loop per row, parallelised over rows); longer rows,
   which torch would split across threads when alone, run on tiles of exactly
   ``row_tile`` rows.
-* Transcendental element-wise kernels run on flat pieces of exactly
-  ``pointwise_chunk`` elements: below torch's parallel grain and a multiple of
-  every SIMD width, so every element takes the vectorised path.
+* Transcendental element-wise kernels run in one call over the flat tensor,
+  zero padded to a length at which every thread's share is a whole number of
+  SIMD blocks, so every element takes the
+  vectorised path (``pointwise_length``).
 * Everything else is IEEE basic arithmetic (+, -, *, /, sqrt, max), whose
   result does not depend on position or vector width. We write ``1/sqrt(x)``
   rather than ``rsqrt`` and ``x*x`` rather than ``pow`` to stay inside it.
@@ -37,13 +37,14 @@ Canonical mode answers each of these by construction:
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import torch
 
 from kvwarden.config import NumericsConfig
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
 from kvwarden.layers.canonical_attention import build_tile_plan, canonical_attention
+from kvwarden.layers.gemm_rows import GemmRowSizes
 from kvwarden.layers.rotary import RotaryEmbedding
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
@@ -198,6 +199,10 @@ class CanonicalOps(Ops):
     name = "canonical"
     scan_mode = "chunked"
 
+    def __init__(self, config: NumericsConfig) -> None:
+        super().__init__(config)
+        self.gemm_sizes = GemmRowSizes(config.row_tile)
+
     def attention(
         self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
     ) -> torch.Tensor:
@@ -212,16 +217,20 @@ class CanonicalOps(Ops):
         wt = weight.t()
         tile = self.config.row_tile
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # NOTE(invariance): MKL's float32 GEMM computes a row the same way for every row
-            # count that is a multiple of 16 (only a short tail of 1-3 rows takes another path);
-            # tests/test_numerics.py pins it for every preset shape. So pad the rows to a multiple
-            # of row_tile with zeros and make one call: the bits of each 16-row tile call, without
-            # one call (and its padding copies) per tile.
+            # NOTE(invariance): every row gets the bits of a row_tile-row call: rows are zero
+            # padded to a multiple of the tile and cut into calls whose sizes were measured on
+            # this machine to reproduce tile calls exactly (layers/gemm_rows.py; one call for most
+            # batches, the tile itself where MKL's kernel choice for larger calls differs).
             rows = x.shape[0]
             padded = -(-rows // tile) * tile
             if padded != rows:
                 x = torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
-            out = torch.mm(x, wt)[:rows]
+            pieces = self.gemm_sizes.pieces(padded, wt)
+            if len(pieces) == 1:
+                out = torch.mm(x, wt)[:rows]
+            else:
+                starts = [0, *accumulate(pieces)]
+                out = torch.cat([torch.mm(x[a:b], wt) for a, b in pairwise(starts)])[:rows]
         else:
             # NOTE(invariance): unmeasured dtypes keep one torch.mm per tile of exactly row_tile rows;
             # the padded rows are zeros and are dropped. Same call shape every time.
@@ -239,20 +248,37 @@ class CanonicalOps(Ops):
         return _tiled_rows(fn, x, self.config.row_tile)
 
     def pointwise(self, fn: RowFn, x: torch.Tensor) -> torch.Tensor:
-        # NOTE(invariance): fixed-size flat pieces keep every element on the SIMD
-        # path (no scalar tail, no thread split inside a piece).
-        chunk = self.config.pointwise_chunk
+        # NOTE(invariance): one call over the flat tensor, zero padded to a length at which every
+        # thread's share is a whole number of SIMD blocks (see pointwise_length): every element
+        # then takes the vectorised path, whatever the tensor's size or the element's place, and
+        # both cores work on it (fixed pieces below the parallel grain ran on one).
         flat = x.reshape(-1)
         n = flat.numel()
-        padded_n = -(-n // chunk) * chunk
+        padded_n = pointwise_length(n, torch.get_num_threads())
         if padded_n != n:
             flat = torch.cat([flat, flat.new_zeros(padded_n - n)])
-        else:
-            flat = flat.contiguous()
-        out = torch.empty_like(flat)
-        for start in range(0, padded_n, chunk):
-            out[start : start + chunk] = fn(flat[start : start + chunk])
-        return out[:n].view(x.shape)
+        return fn(flat.contiguous())[:n].view(x.shape)
+
+
+# torch's element-wise CPU kernels (TensorIterator) split a contiguous tensor of N elements into
+# min(threads, ceil(N / GRAIN)) ranges of ceil(N / parts) elements (the last one shorter); each range
+# runs the SIMD loop on blocks of two vectors and a scalar loop on the remainder, whose results
+# differ from the SIMD ones in the last bit. SIMD_BLOCK bounds two vectors of any dtype (AVX-512
+# bfloat16: 64 elements).
+GRAIN = 32768
+SIMD_BLOCK = 256
+
+
+def pointwise_length(n: int, threads: int) -> int:
+    """The padded length of an element-wise call over ``n`` elements: the least multiple of
+    :data:`SIMD_BLOCK` at which every thread's range is a whole number of blocks (no scalar
+    remainder anywhere). ``tests/test_numerics.py`` pins the split rule for 1 to 4 threads."""
+    padded = max(-(-n // SIMD_BLOCK), 1) * SIMD_BLOCK
+    while True:
+        parts = max(1, min(threads, -(-padded // GRAIN)))
+        if padded % (parts * SIMD_BLOCK) == 0:
+            return padded
+        padded += SIMD_BLOCK
 
 
 def _tiled_rows(fn: RowFn, x: torch.Tensor, tile: int) -> torch.Tensor:
