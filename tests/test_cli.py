@@ -85,5 +85,7 @@ def test_serve_on_a_busy_port_says_so_in_one_line(llama_tiny: Path) -> None:
 def test_bad_flag_values_name_the_flag() -> None:
     done = _run("serve", "builtin:llama-tiny", "--block-size", "0")
     assert done.returncode == 2 and "--block-size" in done.stderr and "must be >= 1" in done.stderr
+    done = _run("serve", "builtin:llama-tiny", "--threads", "0")
+    assert done.returncode == 2 and "--threads" in done.stderr and "must be >= 1" in done.stderr
     done = _run("generate", "no/such/model", "--prompt", "x")
     assert done.returncode == 2 and "no/such/model" in done.stderr and "Traceback" not in done.stderr

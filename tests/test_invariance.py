@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -145,6 +146,25 @@ def test_small_model_invariance_across_budgets_and_partners(llama_small: Path, b
     outs = llm.generate([*partners, prompt], [_params(True, i, 4) for i in range(6)] + [params])
     assert_same(ref, outs[-1], f"budget {budget} with partners")
     assert_same(ref, llm.generate([prompt], params)[0], f"budget {budget} warm")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_operator_thread_count_does_not_change_logprobs(llama_small: Path, threads: int) -> None:
+    """``kvwarden serve`` runs the model on all cores but one by default: a served request must get
+    the bits the Python API gives at torch's default thread count (GEMM call sizes and element-wise
+    padding are chosen per thread count, each reproducing the same fixed-shape reference)."""
+    rng = random.Random(threads)
+    prompts = [random_tokens(rng, n, 2000) for n in (3, 70, 300, 530)]
+    params = _params(False, 0, max_tokens=6)
+    default = torch.get_num_threads()
+    refs = LLM(str(llama_small), max_num_batched_tokens=256).generate(prompts, params)
+    torch.set_num_threads(threads)
+    try:
+        outs = LLM(str(llama_small), max_num_batched_tokens=256).generate(prompts, params)
+    finally:
+        torch.set_num_threads(default)
+    for ref, out in zip(refs, outs, strict=True):
+        assert_same(ref, out, f"{threads} threads vs {default}")
 
 
 def test_shape_dependent_numerics_break_it(llama_small: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -78,6 +79,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "instance's 'safe to reclaim': re-creates the race in which a late write corrupts another request",
     )
     p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU only: threads for the model's operators (default: every core this process may use but one, "
+        "which the HTTP front end keeps; OMP_NUM_THREADS, when set, wins over the default)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -121,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--speculative-config: not supported with --role {args.role} yet (disaggregated requests)")
     if args.unsafe_pd_abort and args.role != "decode":
         raise ValueError("--unsafe-pd-abort: applies to the decode role (--role decode)")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -143,6 +153,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
     logging.basicConfig(format=LOG_FORMAT, level=logging.WARNING)
     logging.getLogger("kvwarden").setLevel(args.log_level.upper())
+    set_cpu_threads(args)
     llm = load_llm(args, Console(stderr=True, highlight=False, soft_wrap=True), "kvwarden serve")
     name = args.served_model_name or args.model
     engine = AsyncEngine(
@@ -174,6 +185,28 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     print(f"kvwarden serve: {name} listening on http://{host}:{port}{role}", flush=True)
 
     return run_until_stopped(server, sock, "kvwarden serve: ready")
+
+
+def set_cpu_threads(args: argparse.Namespace) -> None:
+    """Operator threads for a CPU model: by default all cores but one.
+
+    NOTE: the engine thread's operators and the HTTP front end (JSON, SSE, sockets) share the
+    machine. With one operator thread per core, every parallel region waits for the thread whose
+    core the front end (or the client, on a laptop) took: on 2 cores, 1 thread served ~20 % more
+    tokens/s than 2 (docs/performance.md). vLLM's CPU backend reserves a core the same way.
+    Canonical numerics do not depend on the count (the GEMM call sizes and element-wise padding are
+    chosen per thread count; tests/test_numerics.py).
+    """
+    import torch
+
+    from kvwarden.config import resolve_device
+
+    if resolve_device(args.device) != "cpu":
+        return
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
 
 
 def make_roles(args: argparse.Namespace, engine: AsyncEngine) -> PDRoles:
