@@ -186,7 +186,9 @@ def main() -> None:
     p.add_argument("--max-input", type=int, default=512)
     p.add_argument("--min-output", type=int, default=32)
     p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="kvwarden's batch (64: transformers' largest --hf-batch)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--hf-batch", type=int, nargs="+", default=[16, 32, 64], help="transformers batch sizes to try")
     p.add_argument("--seed", type=int, default=0)
