@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwarden.config import NumericsConfig
+from kvwarden.layers.gemm_rows import one_thread
 from kvwarden.layers.numerics import CanonicalOps
 
 OPS = CanonicalOps(NumericsConfig())
@@ -41,18 +42,40 @@ def test_linear_row_is_independent_of_batch(k: int, n: int, rows: int, pos: int,
 
 @pytest.mark.parametrize(("k", "n"), [*SHAPES, (1024, 3072), (2048, 1024), (1536, 3072), (576, 49152)])
 def test_linear_rows_match_tile_calls_at_every_row_count(k: int, n: int) -> None:
-    """CanonicalOps.linear gives every row the bits of a 16-row call, up to a 2048-token prefill chunk,
-    whatever this CPU's GEMM does with larger calls (it cuts batches into call sizes it measured to
-    agree; on some CPUs k=1536 disagrees at 64-192 rows, k=1024..2048 from about 208)."""
+    """CanonicalOps.linear gives every row the bits of a one-thread 16-row call, up to a 2048-token
+    prefill chunk, whatever this CPU's GEMM does with larger calls (it cuts batches into call sizes it
+    measured to agree; on some CPUs k=1536 disagrees at 64-192 rows, k=1024..2048 from about 208)."""
     gen = torch.Generator().manual_seed(k * n)
     x, w = torch.randn(2048 if n < 10_000 else 256, k, generator=gen), torch.randn(n, k, generator=gen)
-    tiles = _bits(torch.cat([torch.mm(x[i : i + 16], w.t()) for i in range(0, x.shape[0], 16)]))
+    with one_thread():
+        tiles = _bits(torch.cat([torch.mm(x[i : i + 16], w.t()) for i in range(0, x.shape[0], 16)]))
     ops = CanonicalOps(NumericsConfig())
-    sizes = ops.gemm_sizes.sizes(w.t())
+    sizes = ops.gemm_sizes.calls(w.t()).sizes
     assert sizes[-1] == 16 and list(sizes) == sorted(sizes, reverse=True)
     for m in (1, 5, 16, 33, 64, 100, 112, 192, 256, 300, 528, 1024, 1500, 2048):
         if m <= x.shape[0]:
             assert torch.equal(_bits(ops.linear(x[:m], w)), tiles[:m]), (m, sizes)
+
+
+@pytest.mark.parametrize(("k", "n"), [*SHAPES, (1024, 256), (1024, 3072), (2048, 1024), (896, 1024)])
+def test_linear_bits_do_not_depend_on_the_thread_count(k: int, n: int) -> None:
+    """``kvwarden serve`` runs on all cores but one, the Python API on all: both must give the same bits.
+    A 16-row call's bits can change with the thread count where MKL splits a wide reduction across
+    threads (k=1024, n=3072 on some CPUs); CanonicalOps runs such weights on one thread."""
+    gen = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(256, k, generator=gen), torch.randn(n, k, generator=gen)
+    default = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            ops = CanonicalOps(NumericsConfig())  # calibrates at this thread count
+            results[threads] = [_bits(ops.linear(x[:m], w)) for m in (1, 5, 16, 64, 256)]
+    finally:
+        torch.set_num_threads(default)
+    for threads in (2, 3):
+        for a, b in zip(results[1], results[threads], strict=True):
+            assert torch.equal(a, b), (threads, a.shape)
 
 
 @given(

@@ -71,8 +71,9 @@ class NumericsConfig:
                 raise ValueError(f"numerics.{name} must be >= 1")
         if self.row_tile % 4:
             raise ValueError("numerics.row_tile must be a multiple of 4 (GEMM rows come in groups of 4)")
-        if self.pointwise_chunk % 64:
-            raise ValueError("numerics.pointwise_chunk must be a multiple of 64")
+        if self.pointwise_chunk > 32768:
+            # torch splits a lone row longer than its parallel grain across threads
+            raise ValueError("numerics.pointwise_chunk must be <= 32768 (torch's parallel grain)")
         if self.kernels not in ("auto", "triton"):
             raise ValueError(f"numerics.kernels: unknown {self.kernels!r}; expected 'auto' or 'triton'")
 

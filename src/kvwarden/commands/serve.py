@@ -192,10 +192,10 @@ def set_cpu_threads(args: argparse.Namespace) -> None:
 
     NOTE: the engine thread's operators and the HTTP front end (JSON, SSE, sockets) share the
     machine. With one operator thread per core, every parallel region waits for the thread whose
-    core the front end (or the client, on a laptop) took: on 2 cores, 1 thread served ~20 % more
-    tokens/s than 2 (docs/performance.md). vLLM's CPU backend reserves a core the same way.
-    Canonical numerics do not depend on the count (the GEMM call sizes and element-wise padding are
-    chosen per thread count; tests/test_numerics.py).
+    core the front end (or a client on the same machine) took: on 2 cores, 1 thread served ~20 %
+    more tokens/s than 2 (docs/performance.md). vLLM's CPU backend reserves a core the same way.
+    Canonical numerics give the same bits at any thread count (GEMMs whose bits would depend on it
+    run on one thread: layers/gemm_rows.py), so served answers equal the Python API's.
     """
     import torch
 
@@ -206,13 +206,14 @@ def set_cpu_threads(args: argparse.Namespace) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+        # torch's default is the physical cores; the affinity mask (where there is one) may be smaller
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), usable) - 1))
+    logging.getLogger("kvwarden.serve").info("CPU operator threads: %d", torch.get_num_threads())
 
 
 def make_roles(args: argparse.Namespace, engine: AsyncEngine) -> PDRoles:
     """The prefill or decode service of a disaggregated instance, with its NIXL agent."""
-    import os
-
     from kvwarden.cache.kv_transfer import TransferAgent
     from kvwarden.server.pd_decode import DecodeService
     from kvwarden.server.pd_prefill import PrefillService

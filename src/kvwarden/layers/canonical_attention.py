@@ -13,7 +13,7 @@ NOTE(invariance) - the library facts and the decisions built on them:
   ``round_up(rep, 4)`` rows instead of padding a tile of positions, and a
   prefill chunk's tiles of ``key_tile`` positions use ``rep * key_tile`` rows.
 * The softmax max is an exact ``amax`` over the visible keys (order-free);
-  ``exp`` runs on the numerics' fixed flat pieces (position-free).
+  ``exp`` runs in one call padded to whole SIMD blocks per thread (position-free).
 * ``P @ [V | 1]`` per key tile of ``key_tile`` keys aligned to absolute
   position 0 gives the numerator and the row sum in one fixed-shape
   ``(M x Tk) @ (Tk x D+1)`` product; tiles are summed in a pairwise tree fixed
@@ -164,6 +164,10 @@ def canonical_attention(
     Scores, softmax and the P@V fold run in float32 whatever the model dtype.
     """
     rows, hq, d = q.shape
+    # NOTE: padding rows of every group point at row rows * hq, the discarded sink below; a plan built
+    # for another row count would point them at a real row.
+    if rows != plan.num_rows:
+        raise ValueError(f"attention plan built for {plan.num_rows} rows, called with {rows}")
     hkv = k_cache.shape[1]
     q_flat = torch.cat([q.reshape(rows * hq, d).float(), q.new_zeros((1, d), dtype=torch.float32)])
     k_flat = k_cache.view(-1, d)

@@ -45,6 +45,7 @@ from kvwarden.config import NumericsConfig
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
 from kvwarden.layers.canonical_attention import build_tile_plan, canonical_attention
 from kvwarden.layers.gemm_rows import GemmRowSizes
+from kvwarden.layers.pointwise_split import pointwise_length
 from kvwarden.layers.rotary import RotaryEmbedding
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
@@ -217,20 +218,25 @@ class CanonicalOps(Ops):
         wt = weight.t()
         tile = self.config.row_tile
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # NOTE(invariance): every row gets the bits of a row_tile-row call: rows are zero
-            # padded to a multiple of the tile and cut into calls whose sizes were measured on
-            # this machine to reproduce tile calls exactly (layers/gemm_rows.py; one call for most
-            # batches, the tile itself where MKL's kernel choice for larger calls differs).
+            # NOTE(invariance): every row gets the bits of a one-thread row_tile-row call: rows are
+            # zero padded to a multiple of the tile and cut into calls whose sizes (and thread
+            # count) were measured on this machine to reproduce those calls exactly
+            # (layers/gemm_rows.py; one call for most batches, tiles where MKL's kernel choice for
+            # larger calls differs, one thread where it splits the reduction across threads).
             rows = x.shape[0]
             padded = -(-rows // tile) * tile
             if padded != rows:
                 x = torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
-            pieces = self.gemm_sizes.pieces(padded, wt)
-            if len(pieces) == 1:
-                out = torch.mm(x, wt)[:rows]
-            else:
-                starts = [0, *accumulate(pieces)]
-                out = torch.cat([torch.mm(x[a:b], wt) for a, b in pairwise(starts)])[:rows]
+            elif not x.is_contiguous():
+                x = x.contiguous()  # the layout the call sizes were measured with
+            calls = self.gemm_sizes.calls(wt)
+            pieces = calls.pieces(padded)
+            with calls.threads():
+                if len(pieces) <= 1:
+                    out = torch.mm(x, wt)[:rows]
+                else:
+                    starts = [0, *accumulate(pieces)]
+                    out = torch.cat([torch.mm(x[a:b], wt) for a, b in pairwise(starts)])[:rows]
         else:
             # NOTE(invariance): unmeasured dtypes keep one torch.mm per tile of exactly row_tile rows;
             # the padded rows are zeros and are dropped. Same call shape every time.
@@ -258,27 +264,6 @@ class CanonicalOps(Ops):
         if padded_n != n:
             flat = torch.cat([flat, flat.new_zeros(padded_n - n)])
         return fn(flat.contiguous())[:n].view(x.shape)
-
-
-# torch's element-wise CPU kernels (TensorIterator) split a contiguous tensor of N elements into
-# min(threads, ceil(N / GRAIN)) ranges of ceil(N / parts) elements (the last one shorter); each range
-# runs the SIMD loop on blocks of two vectors and a scalar loop on the remainder, whose results
-# differ from the SIMD ones in the last bit. SIMD_BLOCK bounds two vectors of any dtype (AVX-512
-# bfloat16: 64 elements).
-GRAIN = 32768
-SIMD_BLOCK = 256
-
-
-def pointwise_length(n: int, threads: int) -> int:
-    """The padded length of an element-wise call over ``n`` elements: the least multiple of
-    :data:`SIMD_BLOCK` at which every thread's range is a whole number of blocks (no scalar
-    remainder anywhere). ``tests/test_numerics.py`` pins the split rule for 1 to 4 threads."""
-    padded = max(-(-n // SIMD_BLOCK), 1) * SIMD_BLOCK
-    while True:
-        parts = max(1, min(threads, -(-padded // GRAIN)))
-        if padded % (parts * SIMD_BLOCK) == 0:
-            return padded
-        padded += SIMD_BLOCK
 
 
 def _tiled_rows(fn: RowFn, x: torch.Tensor, tile: int) -> torch.Tensor:
