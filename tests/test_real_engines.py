@@ -112,7 +112,7 @@ def test_llama_cpp_on_smollm2_is_measured(llama_server: Path, settings: str, mea
     extra = FA_OFF if settings == "fa-off-one-slot" else []
     for scenario in ("repeat", "contamination", "batch"):
         args = ["--launcher", "llama.cpp", "--model", model, "--scenario", scenario, *SHAPE, *extra]
-        summary, facts = checked(measure, f"llama.cpp-smollm2-{settings}-{scenario}", *args)
+        summary, _ = checked(measure, f"llama.cpp-smollm2-{settings}-{scenario}", *args)
         assert summary["prediction"] == {"skipped": summary["prediction"]["skipped"]}  # no block model for llama.cpp
         for arm in summary["arms"]:
             assert arm["error"] or arm["server"]["extra"]["total_slots"] >= 1, arm  # the launcher asked /props
