@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwarden import LLM, RequestOutput, SamplingParams
+from kvwarden.layers.gemm_rows import torch_threads
 from util import assert_same, exact, random_tokens
 
 VOCAB = 1000
@@ -158,11 +159,8 @@ def test_operator_thread_count_does_not_change_logprobs(llama_small: Path, threa
     params = _params(False, 0, max_tokens=6)
     default = torch.get_num_threads()
     refs = LLM(str(llama_small), max_num_batched_tokens=256).generate(prompts, params)
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         outs = LLM(str(llama_small), max_num_batched_tokens=256).generate(prompts, params)
-    finally:
-        torch.set_num_threads(default)
     for ref, out in zip(refs, outs, strict=True):
         assert_same(ref, out, f"{threads} threads vs {default}")
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwarden.config import NumericsConfig
-from kvwarden.layers.gemm_rows import one_thread
+from kvwarden.layers.gemm_rows import torch_threads
 from kvwarden.layers.numerics import CanonicalOps
 
 OPS = CanonicalOps(NumericsConfig())
@@ -47,7 +47,7 @@ def test_linear_rows_match_tile_calls_at_every_row_count(k: int, n: int) -> None
     measured to agree; on some CPUs k=1536 disagrees at 64-192 rows, k=1024..2048 from about 208)."""
     gen = torch.Generator().manual_seed(k * n)
     x, w = torch.randn(2048 if n < 10_000 else 256, k, generator=gen), torch.randn(n, k, generator=gen)
-    with one_thread():
+    with torch_threads(1):
         tiles = _bits(torch.cat([torch.mm(x[i : i + 16], w.t()) for i in range(0, x.shape[0], 16)]))
     ops = CanonicalOps(NumericsConfig())
     sizes = ops.gemm_sizes.calls(w.t()).sizes
@@ -64,15 +64,11 @@ def test_linear_bits_do_not_depend_on_the_thread_count(k: int, n: int) -> None:
     threads (k=1024, n=3072 on some CPUs); CanonicalOps runs such weights on one thread."""
     gen = torch.Generator().manual_seed(k + n)
     x, w = torch.randn(256, k, generator=gen), torch.randn(n, k, generator=gen)
-    default = torch.get_num_threads()
     results = {}
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
             ops = CanonicalOps(NumericsConfig())  # calibrates at this thread count
             results[threads] = [_bits(ops.linear(x[:m], w)) for m in (1, 5, 16, 64, 256)]
-    finally:
-        torch.set_num_threads(default)
     for threads in (2, 3):
         for a, b in zip(results[1], results[threads], strict=True):
             assert torch.equal(a, b), (threads, a.shape)
@@ -113,9 +109,7 @@ def test_pointwise_one_call_takes_the_vector_path_everywhere(threads: int) -> No
     those elements would take the scalar remainder loop, and this test would fail."""
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(2_600_000, generator=gen) * 12
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for name, fn in POINTWISE.items():
             block = 256
             ref = _bits(torch.cat([fn(x[i : i + block]) for i in range(0, x.numel(), block)]))
@@ -124,8 +118,6 @@ def test_pointwise_one_call_takes_the_vector_path_everywhere(threads: int) -> No
                 assert not torch.equal(_bits(odd), ref[: 33 * 3000]), name
             for n in (1, 33, 4000, 32768, 32769, 50_001, 98_305, 131_072, 400_007, 1_000_003, 2_600_000):
                 assert torch.equal(_bits(OPS.pointwise(fn, x[:n])), ref[:n]), (name, n)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

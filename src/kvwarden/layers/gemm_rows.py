@@ -21,7 +21,7 @@ per weight at first use, on random rows and the real weight, nothing assumed:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +51,9 @@ class GemmCalls:
                 left -= size
         return out
 
-    @contextmanager
-    def threads(self) -> Iterator[None]:
+    def threads(self) -> AbstractContextManager[None]:
         """One thread for a serial weight (about a microsecond to switch), the current count otherwise."""
-        if not self.serial:
-            yield
-            return
-        with one_thread():
-            yield
+        return torch_threads(1 if self.serial else torch.get_num_threads())
 
 
 class GemmRowSizes:
@@ -80,13 +75,14 @@ class GemmRowSizes:
 
 
 @contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch's operators on one thread inside the block (the engine thread is the only caller)."""
+def torch_threads(count: int) -> Iterator[None]:
+    """Run torch's operators on ``count`` threads inside the block, then restore the previous count
+    (the engine thread is the only caller in the engine)."""
     before = torch.get_num_threads()
-    if before == 1:
+    if before == count:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
@@ -105,10 +101,9 @@ def calibrate(wt: torch.Tensor, tile: int) -> GemmCalls:
     def tiles() -> torch.Tensor:
         return torch.cat([torch.mm(x[i : i + tile], wt) for i in range(0, x.shape[0], tile)])
 
-    with one_thread():
+    with torch_threads(1):
         ref = tiles()
     serial = torch.get_num_threads() > 1 and not torch.equal(tiles(), ref)
-    calls = GemmCalls(sizes=(tile,), serial=serial)
-    with calls.threads():
+    with torch_threads(1 if serial else torch.get_num_threads()):
         agree = [c for c in tried if torch.equal(torch.mm(x[:c], wt), ref[:c])]
     return GemmCalls(sizes=(*sorted(agree, reverse=True), tile), serial=serial)
