@@ -17,9 +17,17 @@ same relative amount of a much larger logit, hence the separate column. In
 float32 (TF32 disabled for the reference's convolutions and matmuls) both sides
 agree to about 1e-4.
 
+``--truth`` (bfloat16 runs): the fair reference for a bfloat16 engine is the
+same bfloat16-rounded weights computed in float32. Both kvwarden and
+transformers in bfloat16 are compared with transformers in float32 on those
+weights, on the first generated token's top-20 logprobs: the median and the
+largest per-prompt |Δ| of each, side by side. kvwarden's numerics should be no
+less accurate than the reference implementation's.
+
 Prints a table and ends with one JSON line.
 
     python bench/agreement.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b
+    python bench/agreement.py --device cuda --dtype bfloat16 --truth --model builtin:qwen3_next-0.6b
 """
 
 from __future__ import annotations
@@ -45,6 +53,11 @@ def parse() -> argparse.Namespace:
         help="max |Δ| over likely tokens for the median prompt (0.25 bf16, 1e-3 fp32)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument(
+        "--truth",
+        action="store_true",
+        help="bfloat16: both engines' first-token error against float32 on the same weights",
+    )
     p.add_argument("--numerics", action="append", help="canonical and/or shape-dependent (default canonical)")
     return p.parse_args()
 
@@ -92,8 +105,17 @@ def main() -> int:
         refs = [hf_greedy(hf, p, args.max_tokens, device) for p in prompts]
         hf_seconds = time.perf_counter() - start
         del hf
+        truths = None
+        if args.truth:  # the bfloat16-rounded weights, computed in float32
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).float().to(device).eval()
+            with torch.no_grad():
+                truths = [
+                    torch.log_softmax(hf(torch.tensor([p], device=device)).logits[0, -1].float(), -1).cpu()
+                    for p in prompts
+                ]
+            del hf
         for numerics in args.numerics or ["canonical"]:
-            summary[f"{model} ({numerics})"] = _compare(model, numerics, prompts, refs, device, args)
+            summary[f"{model} ({numerics})"] = _compare(model, numerics, prompts, refs, device, args, truths)
             summary[f"{model} ({numerics})"]["hf_seconds"] = round(hf_seconds, 1)
     print(f"Agreement with transformers ({device}, {args.dtype}, {args.max_tokens} greedy tokens, top-20):")
     print(
@@ -105,11 +127,22 @@ def main() -> int:
             f"| {model} | {s['prompts']} | {s['all_tokens_equal']} | {s['first_divergences'] or '-'} | "
             f"{s['median_max_abs_dlogprob_likely']:.4f} | {s['max_abs_dlogprob']:.4f} |"
         )
+    if args.truth:
+        print("\nFirst token's top-20 against float32 on the same bf16 weights (per prompt max |Δ|: median / max):")
+        print(
+            "| model (numerics) | kvwarden bf16 median | max | transformers bf16 median | max |\n|---|---|---|---|---|"
+        )
+        for model, s in summary.items():
+            t = s["truth"]
+            cells = [f"{t[k]:.4f}" for k in ("kvwarden_median", "kvwarden_max", "hf_median", "hf_max")]
+            print(f"| {model} | " + " | ".join(cells) + " |")
     print(json.dumps({"device": device, "dtype": args.dtype, "bound": args.bound, "models": summary}))
     return 0 if all(s["within_bound"] for s in summary.values()) else 1
 
 
-def _compare(model: str, numerics: str, prompts: list, refs: list, device: str, args: argparse.Namespace) -> dict:
+def _compare(
+    model: str, numerics: str, prompts: list, refs: list, device: str, args: argparse.Namespace, truths: list | None
+) -> dict:
     """kvwarden's greedy run of every prompt against transformers' (tokens, then top-20 logprobs)."""
     from kvwarden import LLM, SamplingParams
 
@@ -129,7 +162,21 @@ def _compare(model: str, numerics: str, prompts: list, refs: list, device: str, 
                     likely = max(likely, delta)
         rows.append({"first_divergence": first, "max_abs_dlogprob": worst, "likely": likely})
     median = statistics.median(r["likely"] for r in rows)
+    truth = None
+    if truths is not None:  # first token, kvwarden's top-20 ids: each engine's |Δ| against float32
+        kv = [max(abs(lp - float(t[tok])) for tok, lp in out.logprobs[0]) for out, t in zip(outs, truths, strict=True)]
+        hf = [
+            max(abs(float(ref_lp[0][tok]) - float(t[tok])) for tok, _ in out.logprobs[0])
+            for out, (_, ref_lp), t in zip(outs, refs, truths, strict=True)
+        ]
+        truth = {
+            "kvwarden_median": statistics.median(kv),
+            "kvwarden_max": max(kv),
+            "hf_median": statistics.median(hf),
+            "hf_max": max(hf),
+        }
     return {
+        "truth": truth,
         "prompts": len(rows),
         "all_tokens_equal": sum(r["first_divergence"] is None for r in rows),
         "first_divergences": [r["first_divergence"] for r in rows if r["first_divergence"] is not None],

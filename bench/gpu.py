@@ -14,7 +14,10 @@ Rows (kvwarden canonical = invariant Triton kernels; fast path = cuBLAS + SDPA):
 3. time to first token for 1K, 4K and 16K-token prompts, cold and with the
    prompt's prefix cached (16 new tokens);
 4. the cost of invariance: canonical over fast path, per row;
-5. the hybrid model (``--hybrid``) beside the dense one for rows 2 and 3.
+5. the hybrid model (``--hybrid``) beside the dense one for rows 1 (kvwarden's
+   engines), 2 and 3, and its ratio to the dense model per row;
+6. ``--spec-model``: speculative decoding with the model's MTP head (k = 2)
+   against speculation off, batch 1 and 16: tok/s, accept length, equal output.
 
     python bench/gpu.py                                  # on a GPU: qwen3-0.6b and qwen3_next-0.6b
     python bench/gpu.py --device cpu --dtype float32 --model builtin:llama-tiny --hybrid builtin:qwen3_next-tiny --quick
@@ -106,10 +109,20 @@ def floor_seconds(reqs: list[tuple[list[int], int]], weights: int, kv_per_token:
     return total
 
 
+def block_size_for(model: str) -> int:
+    """16 for dense models; 256 for hybrids, whose every block carries a boundary state (18 MB per block on
+    qwen3_next-0.6b against 3 MB of KV at 256 tokens): as vLLM raises a hybrid's block size to its state's page."""
+    from kvwarden.models.sources import resolve_model
+
+    types = json.loads((resolve_model(model) / "config.json").read_text()).get("layer_types") or []
+    return 256 if any(t in ("linear_attention", "mamba") for t in types) else 16
+
+
 def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
     from kvwarden import LLM
 
     kw.setdefault("enforce_eager", args.engine == "canonical-eager")
+    kw.setdefault("block_size", block_size_for(model))
     return LLM(model, device=args.device, dtype=args.dtype, numerics=numerics, **kw)
 
 
@@ -136,7 +149,18 @@ def decode_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[
                     sync(args.device)
                     best = min(best, time.perf_counter() - t0)
                 t.append(best)
-            rows.append({"model": model, "engine": name, "batch": batch, "decode_tok_s": batch * steps / (t[1] - t[0])})
+            graphs = engine.engine.runner.graphs
+            captured = bool(graphs is not None and graphs.graphs)
+            rows.append(
+                {
+                    "model": model,
+                    "engine": name,
+                    "batch": batch,
+                    "decode_tok_s": batch * steps / (t[1] - t[0]),
+                    "graphs": captured,
+                    "capture_error": graphs.capture_error if graphs is not None else None,
+                }
+            )
         del engine
     return rows
 
@@ -172,6 +196,40 @@ def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[st
             warm = timed(prefix + [9] * 16)  # the prefix's blocks are cached now
             rows.append({"model": model, "engine": name, "prompt": length, "cold_s": cold, "warm_s": warm})
         del engine
+    return rows
+
+
+def spec_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """Greedy decode with the MTP head proposing 2 tokens against speculation off: speed and equality."""
+    from kvwarden import SamplingParams
+
+    rows = []
+    prompts_all = [[random.Random(i).randrange(3, vocab) for _ in range(128)] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
+    outs: dict[str, Any] = {}
+    for name, spec in (("off", None), ("on", {"method": "mtp", "num_speculative_tokens": 2})):
+        engine = llm(model, args, "canonical", max_num_seqs=64, enable_prefix_caching=False, speculative_config=spec)
+        engine.generate([[5] * 8], SamplingParams(max_tokens=4))
+        for batch in (1, 16):
+            sync(args.device)
+            t0 = time.perf_counter()
+            got = engine.generate(prompts_all[:batch], params)
+            sync(args.device)
+            outs[name, batch] = (time.perf_counter() - t0, [(o.token_ids, o.logprobs) for o in got])
+        stats = engine.engine.stats()
+        outs[name, "accept"] = 1 + stats["spec_num_accepted_tokens"] / max(stats["spec_num_drafts"], 1)
+        del engine
+    for batch in (1, 16):
+        n = batch * 64
+        rows.append(
+            {
+                "batch": batch,
+                "off_tok_s": n / outs["off", batch][0],
+                "on_tok_s": n / outs["on", batch][0],
+                "accept_length": outs["on", "accept"],
+                "identical": outs["off", batch][1] == outs["on", batch][1],
+            }
+        )
     return rows
 
 
@@ -217,14 +275,17 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
             max_num_seqs=256,
             max_num_batched_tokens=8192,
             hf_batch=args.num_requests,
+            block_size=block_size_for(args.model),
         )
-        r = run_transformers(args.model, reqs, ns) if args.engine == "transformers" else None
+        r = run_transformers(args.model, reqs, ns.hf_batch, ns) if args.engine == "transformers" else None
         r = r or run_kvwarden(args.model, reqs, numerics, ns)
         return {"engine": args.engine, "output_tok_s": r.output_tok_s, "seconds": r.seconds}
     if args.part == "decode":
         return {"rows": decode_rows(args.model, args, vocab, [args.engine])}
     if args.part == "ttft":
         return {"rows": ttft_rows(args.model, args, vocab, [args.engine])}
+    if args.part == "spec":
+        return {"rows": spec_rows(args.model, args, vocab)}
     return {"table": profile_steps(args.model, args, vocab, batch=16, prompt=512)}
 
 
@@ -254,12 +315,16 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--prompts", default="1024,4096,16384")
-    p.add_argument("--hybrid-batches", default="1,16")
-    p.add_argument("--hybrid-prompts", default="1024,4096")
+    p.add_argument("--hybrid-batches", default="1,16,64,256")
+    p.add_argument("--hybrid-prompts", default="1024,4096,16384")
+    p.add_argument("--spec-model", default="", help="a model with an MTP head: MTP k=2 vs speculation off")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-rows", action="store_true", help="offline throughput (and --profile) only")
     p.add_argument("--skip-transformers", action="store_true", help="offline rows of kvwarden only")
+    p.add_argument("--skip-dense-rows", action="store_true", help="decode and TTFT rows of the hybrid only")
+    p.add_argument("--row-engines", default="canonical,fast,canonical-eager", help="engines of the decode/TTFT rows")
     p.add_argument("--profile", action="store_true", help="print a kernel table of one prefill + 8 decode steps")
+    p.add_argument("--profile-model", default="", help="the model --profile looks at (default --model)")
     p.add_argument("--quick", action="store_true", help="small sizes to check the script runs")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # internal: one measurement per process
     p.add_argument("--engine", default="canonical", help=argparse.SUPPRESS)
@@ -293,21 +358,31 @@ def main() -> None:
                 console.print(f"  offline {engine:12s} {row['output_tok_s']:9.0f} tok/s ({share:.1%} of floor)")
                 rows.append(row)
         result["offline"] = {"rows": rows, "floor_tok_s": floor}
+        hybrid_rows = []
+        for model in [m for m in [args.hybrid] if m not in ("", "none")]:
+            for engine in ("canonical", "fast"):
+                row = part(args, "offline", model, engine, console)
+                if row is not None:
+                    row["model"] = model
+                    console.print(f"  offline {engine:12s} {row['output_tok_s']:9.0f} tok/s ({model})")
+                    hybrid_rows.append(row)
+        result["offline_hybrid"] = hybrid_rows
     roofline = bw / (weights + kv_per_token * 160)
     result["roofline_b1_tok_s"] = roofline
     result["decode"], result["ttft"] = [], []
     hybrid = [args.hybrid] if args.hybrid not in ("", "none") else []
-    for model in [args.model, *hybrid] * (not args.skip_rows):
+    for model in ([args.model] * (not args.skip_dense_rows) + hybrid) * (not args.skip_rows):
         if model != args.model:  # the hybrid's token-by-token scans: smaller sizes keep the run in budget
             args.batches_text, args.prompts_text = args.hybrid_batches, args.hybrid_prompts
-        for engine in NUMERICS:
+        for engine in [e for e in NUMERICS if e in args.row_engines.split(",")]:
             if engine == "canonical-eager" and model != args.model:
-                continue  # recurrent layers are never graph-captured: the eager row would repeat canonical's
+                continue  # the hybrid's eager row is left out to keep the run inside one device call
             got = part(args, "decode", model, engine, console)
             for r in got["rows"] if got else []:
                 if model == args.model and r["batch"] == 1:
                     r["share_of_roofline"] = r["decode_tok_s"] / roofline
-                console.print(f"  decode {engine:10s} b{r['batch']:<4d} {r['decode_tok_s']:9.1f} tok/s")
+                graphs = "graphs" if r.get("graphs") else " ".join(["eager", r.get("capture_error") or ""]).strip()
+                console.print(f"  decode {engine:10s} b{r['batch']:<4d} {r['decode_tok_s']:9.1f} tok/s ({graphs})")
                 result["decode"].append(r)
             if engine == "canonical-eager":
                 continue  # graphs only change decode steps
@@ -316,8 +391,16 @@ def main() -> None:
                 console.print(f"  TTFT {engine:10s} {r['prompt']:6d} cold {r['cold_s']:.3f} s warm {r['warm_s']:.3f} s")
                 result["ttft"].append(r)
     console.print(f"  batch-1 roofline {roofline:.0f} tok/s")
+    if args.spec_model:
+        got = part(args, "spec", args.spec_model, "canonical", console)
+        result["spec"] = got["rows"] if got else []
+        for r in result["spec"]:
+            console.print(
+                f"  MTP k=2 b{r['batch']:<3d} off {r['off_tok_s']:8.1f} on {r['on_tok_s']:8.1f} tok/s, "
+                f"accept length {r['accept_length']:.2f}, identical {r['identical']}"
+            )
     if args.profile:
-        got = part(args, "profile", args.model, "canonical", console)
+        got = part(args, "profile", args.profile_model or args.model, "canonical", console)
         if got is not None:
             console.print(got["table"])
             result["profile"] = got["table"]
@@ -332,11 +415,20 @@ def summary_table(result: dict[str, Any]) -> str:
     if off:
         ref = f"transformers {off.get('transformers', 0):.0f}; floor {result['offline']['floor_tok_s']:.0f}"
         lines.append(_row("offline tok/s", off.get("canonical"), off.get("fast"), ref))
+    hyb = {r["engine"]: r["output_tok_s"] for r in result.get("offline_hybrid", [])}
+    if hyb:
+        ref = f"{hyb['canonical'] / off['canonical']:.2f}x dense" if off.get("canonical") and "canonical" in hyb else ""
+        name = f"offline tok/s {result['offline_hybrid'][0]['model'].split(':')[-1]}"
+        lines.append(_row(name, hyb.get("canonical"), hyb.get("fast"), ref))
     dec: dict[tuple[str, int], dict[str, float]] = {}
     for r in result["decode"]:
         dec.setdefault((r["model"], r["batch"]), {})[r["engine"]] = r["decode_tok_s"]
+    dense = result["decode"][0]["model"] if result["decode"] else ""
     for (model, batch), e in dec.items():
         ref = f"eager {e['canonical-eager']:.0f}" if "canonical-eager" in e else ""
+        base = dec.get((dense, batch), {}).get("canonical")
+        if model != dense and base and "canonical" in e:
+            ref += ("; " if ref else "") + f"{e['canonical'] / base:.2f}x dense"
         if batch == 1 and "canonical" in e and model == result["decode"][0]["model"]:
             ref += f"; roofline {result['roofline_b1_tok_s']:.0f} ({e['canonical'] / result['roofline_b1_tok_s']:.0%})"
         lines.append(_row(f"decode tok/s {model.split(':')[-1]} b{batch}", e.get("canonical"), e.get("fast"), ref))
@@ -345,8 +437,11 @@ def summary_table(result: dict[str, Any]) -> str:
         ttft.setdefault((r["model"], r["prompt"]), {})[r["engine"]] = r
     for (model, prompt), e in ttft.items():
         c, f = e.get("canonical"), e.get("fast")
+        dense_ttft = ttft.get((result["ttft"][0]["model"], prompt), {}).get("canonical")
         for kind in ("cold", "warm"):
             ref = f"cold / warm {c['cold_s'] / c['warm_s']:.1f}x" if kind == "warm" and c else ""
+            if kind == "cold" and c and dense_ttft and dense_ttft is not c:
+                ref = f"{c['cold_s'] / dense_ttft['cold_s']:.2f}x dense"
             name = f"TTFT s {model.split(':')[-1]} {prompt} {kind}"
             lines.append(_row(name, c and c[f"{kind}_s"], f and f[f"{kind}_s"], ref, seconds=True))
     return "\n".join(lines)

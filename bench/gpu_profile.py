@@ -7,6 +7,7 @@ run, and its FLOPs over the GPU's dense bf16 matrix rate. The decode step is
 also timed as a CUDA-graph replay (CUDA events), which is what serving runs.
 
     python bench/gpu_profile.py                      # on a GPU: qwen3-0.6b
+    python bench/gpu_profile.py --model builtin:qwen3_next-0.6b    # the hybrid (256-token blocks)
     python bench/gpu_profile.py --device cpu --dtype float32 --model builtin:llama-tiny --chunk 256 --batch 4
 
 Ends with one JSON line.
@@ -25,13 +26,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import copy_bandwidth, model_bytes, sync, vocab_of
+from gpu import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core rate (the data sheet's figure without sparsity)
 GROUPS = (
     ("GEMM", ("_linear_kernel", "gemm", "cutlass", "sm90_xmma", "ampere", "aten::mm", "aten::addmm")),
     ("attention", ("_attention",)),
-    ("sampler rows", ("_long_row", "_row_reduce", "topk", "sort", "radix")),
+    ("recurrent scan", ("_gated_delta", "_mamba2")),
+    ("conv", ("_conv_kernel", "_window_kernel")),
+    ("MoE experts", ("_gate_up", "_down_kernel", "_combine")),
+    ("MoE routing", ("_route", "_dispatch", "sort", "radix")),
+    ("sampler rows", ("_long_row", "_row_reduce", "topk")),
     ("norm", ("_rms_norm",)),
     ("rope", ("_rope",)),
     ("activation", ("_silu_mul", "_unary")),
@@ -96,7 +101,13 @@ def main() -> None:
     vocab = min(vocab_of(args.model), 8192)
     rng = random.Random(0)
     share = 0.3 if args.device == "cuda" else 0.9
-    common = dict(device=args.device, dtype=args.dtype, enable_prefix_caching=False, gpu_memory_utilization=share)
+    common = dict(
+        device=args.device,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=share,
+        block_size=block_size_for(args.model),
+    )
     result: dict[str, Any] = {"bench": "gpu_profile", "model": args.model, "copy_bandwidth_gb_s": bw / 1e9}
     for graphs in (False, True):
         llm = LLM(args.model, max_num_seqs=max(256, args.batch), max_num_batched_tokens=max(args.chunk, 8192),
@@ -156,7 +167,8 @@ def _weights(layer: Any) -> list[torch.Tensor]:
     found = []
     for obj in (layer.mixer, layer.ffn):
         for name, value in vars(obj).items():
-            if name.startswith("w") and isinstance(value, torch.Tensor) and value.dim() == 2:
+            # 3-D: stacked experts (all counted: an upper bound of what a step reads)
+            if name.startswith("w") and isinstance(value, torch.Tensor) and value.dim() in (2, 3):
                 found.append(value)
     return found
 

@@ -66,6 +66,7 @@ def run_kvwarden(model: str, reqs: list[tuple[list[int], int]], numerics: str, a
         max_model_len=args.max_input + args.max_output + 8,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=getattr(args, "block_size", 16),
     )
     params = [SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True) for i, (_, n) in enumerate(reqs)]
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=2))  # warm-up

@@ -13,8 +13,11 @@
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
 #   scripts/gpu_check.sh full pd                      # disaggregated prefill/decode on one GPU (needs NIXL in .whl/)
+#   scripts/gpu_check.sh full tests fla hybridspeed hybridprofile   # the hybrid family: kernels, fla, rows, profile
+#   scripts/gpu_check.sh full hybridmatrix truth      # (a)-(j) on both hybrids; bf16 error against float32 truth
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd,
+# fla, hybridspeed, hybridprofile, hybridmatrix, truth
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -44,7 +47,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 if want tests; then
   stage "kernel and engine tests on the GPU (float32 and bfloat16)"
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py tests/test_triton_engine.py \
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py tests/test_hybrid_kernels.py \
+    tests/test_triton_engine.py \
     2>&1 | tee "$OUT/tests.log" | tail -n 25
   record "GPU tests (kernels + engine properties)" "$(tail -n 1 "$OUT/tests.log")"
 fi
@@ -118,8 +122,9 @@ if [ "$MODE" = full ] && want speed; then  # issue 13's whole table: one bench/g
 fi
 if [ "$MODE" = full ] && want speedoffline; then
   stage "speed, offline half: nano-vllm's workload (${SPEED_REQUESTS:-256} sequences) and the kernel profile"
-  speed gpu_speed_offline --num-requests "${SPEED_REQUESTS:-256}" --skip-rows
+  speed gpu_speed_offline --num-requests "${SPEED_REQUESTS:-256}" --skip-rows ${SPEED_OFFLINE_ARGS:-}
   record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_offline.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
+  record "speed: hybrid offline tok/s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_offline.json')); print({r['engine']: round(r['output_tok_s']) for r in d.get('offline_hybrid', [])})" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want speedrows; then
   stage "speed, rows half: decode by batch (graphs vs eager), TTFT cold and warm, dense and hybrid"
@@ -141,6 +146,41 @@ if [ "$MODE" = full ] && want pd; then  # disaggregated prefill/decode: three se
   tail -n 1 "$OUT/pd.log" > "$OUT/pd.json"
   record "pd: identical text, transfers done/failed" "$(python3 -c "import json; d=json.load(open('$OUT/pd.json')); print(d['identical_text'], d['disaggregated']['transfers'], d['disaggregated']['transfers_failed'])" 2>&1 | tail -n 1)"
   record "pd: alone overhead ms p50, bytes/request" "$(python3 -c "import json; d=json.load(open('$OUT/pd.json'))['alone']; print(d['overhead_p50_ms'], d['bytes_per_request'])" 2>&1 | tail -n 1)"
+fi
+
+if want fla; then  # what the field maintains: flash-linear-attention's kernels (fla-core from .whl/) against ours
+  stage "gated DeltaNet kernels: kvwarden vs flash-linear-attention (speed and invariance, Qwen3-Next-80B's shape)"
+  timeout "${FLA_TIMEOUT:-240}" python3 bench/fla_compare.py 2>&1 | tee "$OUT/fla.log" | grep -v '^{' | tail -n 20
+  tail -n 1 "$OUT/fla.log" > "$OUT/fla.json"
+  record "fla: bitwise (two calls, decode, partner)" "$(python3 -c "import json; d=json.load(open('$OUT/fla.json')); print({k: list(v.values()) for k, v in d['invariance'].items()})" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want hybridspeed; then  # the hybrid's rows only (the dense ones come with 'speed')
+  stage "hybrid speed: decode b1..b256 (graphs), TTFT 1K/4K/16K cold and warm, canonical and fast"
+  SPEED_TIMEOUT=${HYBRID_TIMEOUT:-360} speed gpu_hybrid --skip-offline --skip-dense-rows ${HYBRID_ARGS:-}
+  record "hybrid: decode tok/s canonical (b1..b256)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_hybrid.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+  record "hybrid: TTFT cold/warm s (canonical)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_hybrid.json')); print([(r['prompt'], round(r['cold_s'], 3), round(r['warm_s'], 3)) for r in d['ttft'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want hybridprofile; then
+  stage "hybrid profile: one prefill chunk and one decode step by kernel group (eager), the graph step's time"
+  timeout "${PROFILE_TIMEOUT:-200}" python3 bench/gpu_profile.py --model builtin:qwen3_next-0.6b \
+    2>&1 | tee "$OUT/hybrid_profile.log" | grep -v -e '^{' -e USDT | tail -n 40
+  tail -n 1 "$OUT/hybrid_profile.log" > "$OUT/hybrid_profile.json"
+  record "hybrid profile: decode step ms (eager, graph)" "$(python3 -c "import json; d=json.load(open('$OUT/hybrid_profile.json')); print(round(d['decode_step_s_eager'] * 1e3, 2), round(d['decode_step_s_graph'] * 1e3, 2))" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want hybridmatrix; then
+  stage "invariance matrix, hybrids only, canonical, greedy and seeded, speculation on and off (bfloat16)"
+  timeout "${MATRIX_TIMEOUT:-480}" python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical \
+    ${MATRIX_ARGS:---prompt-len 300 --model builtin:qwen3_next-0.6b --model builtin:granite_hybrid-small --spec ngram:3 --spec mtp:2} \
+    2>&1 | tee "$OUT/hybrid_invariance.log" | grep -v '^{' | tail -n 20
+  tail -n 1 "$OUT/hybrid_invariance.log" > "$OUT/hybrid_invariance.json"
+  record "hybrid invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/hybrid_invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
+fi
+if want truth; then  # bfloat16 error of kvwarden and of transformers against transformers in float32, same weights
+  stage "bfloat16 error against float32 truth on the same bf16-rounded weights (kvwarden vs transformers)"
+  timeout "${TRUTH_TIMEOUT:-300}" python3 bench/agreement.py --device cuda --dtype bfloat16 --truth \
+    ${TRUTH_ARGS:---prompts 16 --model builtin:qwen3_next-0.6b --model builtin:qwen3-0.6b} 2>&1 | tee "$OUT/truth.log" | grep '^|'
+  tail -n 1 "$OUT/truth.log" > "$OUT/truth.json"
+  record "truth: median|max first-token error (kvwarden, hf)" "$(python3 -c "import json; d=json.load(open('$OUT/truth.json'))['models']; print({m: s.get('truth') for m, s in d.items()})" 2>&1 | tail -n 1)"
 fi
 
 if want hosttier; then

@@ -14,7 +14,7 @@ import struct
 import pytest
 import torch
 
-from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent, rotary, rows
+from kvwarden.layers.kernels import attention, gemm, pointwise, rotary, rows
 from kvwarden.layers.rotary import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,63 +221,6 @@ def test_precompile_runs_both_forms_and_they_agree() -> None:
     assert same(walked, parallel)
     ref = _reference(torch.ones(1, 4, 16), k, v, [0] * 65, 16, attention.SPLIT, 1.0)
     assert close(walked, ref, torch.float32)
-
-
-def _gated_delta_inputs(g: torch.Generator, n: int, hv: int, dk: int, dv: int):
-    q = torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=g), dim=-1) * dk**-0.5
-    k = torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=g), dim=-1)
-    v = torch.randn(n, hv, dv, generator=g)
-    decay = -torch.rand(n, hv, generator=g)
-    beta = torch.rand(n, hv, generator=g)
-    return [t.to(DEVICE) for t in (q, k, v, decay, beta)]
-
-
-def test_gated_delta_decode_equals_prefill_and_captures_boundaries() -> None:
-    from kvwarden.layers.gated_delta import recurrent_step
-
-    g = gen(6)
-    n, hv, dk, dv = 21, 2, 16, 20
-    q, k, v, decay, beta = _gated_delta_inputs(g, n, hv, dk, dv)
-    s0 = torch.randn(hv, dk, dv, generator=g).to(DEVICE)
-    state = s0.clone()
-    out, caps = recurrent.gated_delta(q, k, v, decay, beta, state, [7, 15])
-    ref_out, ref_state = recurrent_step(
-        *(t.cpu().transpose(0, 1) for t in (q, k, v)), decay.cpu().t(), beta.cpu().t(), s0.cpu()
-    )
-    assert close(out.cpu(), ref_out.transpose(0, 1), torch.float32) and close(state.cpu(), ref_state, torch.float32)
-    pieces, st = [], s0.clone()
-    for lo, hi in ((0, 8), (8, 9), (9, 16), (16, 21)):  # chunks, then one token at a time in the middle
-        o, c = recurrent.gated_delta(q[lo:hi], k[lo:hi], v[lo:hi], decay[lo:hi], beta[lo:hi], st, [hi - lo - 1])
-        pieces.append(o)
-        if hi in (8, 16):
-            assert same(c[0], caps[0 if hi == 8 else 1])  # the state after token 7 / 15, however reached
-    assert same(torch.cat(pieces), out) and same(st, state)
-
-
-def test_mamba2_decode_equals_prefill_and_captures_boundaries() -> None:
-    from kvwarden.layers.mamba2 import recurrent_step
-
-    g = gen(7)
-    n, h, p, ns = 19, 3, 20, 16
-    x = torch.randn(n, h, p, generator=g)
-    dt = torch.rand(n, h, generator=g) * 0.5
-    a = -torch.rand(h, generator=g)
-    b, c = torch.randn(n, h, ns, generator=g), torch.randn(n, h, ns, generator=g)
-    dskip = torch.randn(h, generator=g)
-    s0 = torch.randn(h, p, ns, generator=g)
-    dev = [t.to(DEVICE) for t in (x, dt, a, b, c, dskip)]
-    state = s0.clone().to(DEVICE)
-    y, caps = recurrent.mamba2(*dev, state, [3, 11])
-    ref_y, ref_state = recurrent_step(x.transpose(0, 1), dt.t(), a, b.transpose(0, 1), c.transpose(0, 1), dskip, s0)
-    assert close(y.cpu(), ref_y.transpose(0, 1), torch.float32) and close(state.cpu(), ref_state, torch.float32)
-    st, outs = s0.clone().to(DEVICE), []
-    for lo, hi in ((0, 4), (4, 5), (5, 12), (12, 19)):
-        xs, dts, _, bs, cs, _ = (t[lo:hi] if t.dim() > 1 else t for t in dev)
-        o, cap = recurrent.mamba2(xs, dts, dev[2], bs, cs, dev[5], st, [hi - lo - 1])
-        outs.append(o)
-        if hi in (4, 12):
-            assert same(cap[0], caps[0 if hi == 4 else 1])
-    assert same(torch.cat(outs), y) and same(st, state)
 
 
 def test_bitwise_helper_sees_the_last_bit() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import _made
 from kvwarden import LLM, SamplingParams
 from kvwarden.bench.properties import PROPERTIES, check_properties
 from util import random_tokens
@@ -91,31 +92,53 @@ def test_triton_kernels_on_a_cpu_need_the_interpreter(llama_tiny: Path, monkeypa
             LLM(str(llama_tiny), device="cuda")
 
 
-def test_decode_graphs_replay_the_eager_step_bit_for_bit(llama_tiny: Path) -> None:
+@pytest.mark.parametrize("family", ["dense", "qwen3_next", "granite_hybrid"])
+def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny: Path, models_root: Path) -> None:
     """Pure decode steps through the CUDA-graph path (captured on a GPU; on the CPU the same padded
     static-buffer step, uncaptured) against every step eager: batch sizes padded up (5 -> 8, 3 -> 4),
-    requests finishing at different steps, chunked prefills beside decodes, preemption in a small pool."""
+    requests finishing at different steps, chunked prefills beside decodes, preemption in a small pool.
+    Hybrids: recurrent states through the static slot buffer (padding rows in the scratch slot), block
+    boundaries reached during graph steps staged for the prefix cache, sparse MoE routed on the device."""
+    model = llama_tiny if family == "dense" else _made(models_root, family, "tiny")
     rng = random.Random(4)
     prompts = [random_tokens(rng, n, 1000) for n in (5, 19, 11, 30, 8)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=5, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
     params[2] = SamplingParams(temperature=0.9, seed=3, max_tokens=9, logprobs=5, ignore_eos=True)
+    small = 7  # blocks of 8: not enough for all five, so some are preempted
+    if family != "dense" and not GPU:  # the interpreter is slow: three requests (3 -> 4 padded) in 5 blocks
+        prompts, params, small = [prompts[i] for i in (0, 2, 4)], [params[i] for i in (0, 2, 4)], 5
     graphs = "auto" if GPU else "emulate"
     runs = {}
+    # Granite: the interpreter is slow; the slot buffer's preemption path is the same code for both hybrids
+    pools = (256,) if family == "granite_hybrid" else (256, small)
     for mode in ("off", graphs):
-        for num_blocks in (256, 7):  # 7 blocks of 8: not enough for all five, so some are preempted
-            llm = _make(llama_tiny, DTYPES[-1])(max_num_seqs=8, num_blocks=num_blocks, cuda_graphs=mode)
+        for num_blocks in pools:
+            llm = _make(model, DTYPES[-1])(max_num_seqs=8, num_blocks=num_blocks, cuda_graphs=mode)
             outs = llm.generate(prompts, params)
             runs[mode, num_blocks] = [(o.token_ids, o.logprobs, o.sampled_logprobs) for o in outs]
             engine = llm.engine
             if mode != "off":
                 assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
-            if num_blocks == 7:
+                assert engine.runner.graphs.capture_error is None
+            if num_blocks == small:
                 assert engine.scheduler.num_preemptions > 0
-    assert runs["off", 256] == runs[graphs, 256] == runs["off", 7] == runs[graphs, 7]
+            engine.check_integrity()
+    assert all(runs[key] == runs["off", 256] for key in runs)
+    if family != "dense":  # a follow-up over blocks completed in graph steps hits their staged states
+        llm = _make(model, DTYPES[-1])(max_num_seqs=8, cuda_graphs=graphs)
+        first = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+        follow = prompts[0] + first.token_ids + [7, 8, 9]
+        params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
+        warm = llm.generate([follow], params)[0]
+        assert warm.num_cached_tokens == 16  # blocks [0, 8) and [8, 16): the second completed by decode
+        cold = _make(model, DTYPES[-1])(enable_prefix_caching=False).generate([follow], params)[0]
+        assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(qwen3_next_tiny: Path) -> None:
+    # the CPU backends walk requests and experts on the host
+    cpu = partial(LLM, str(qwen3_next_tiny), device="cpu", block_size=16, num_blocks=64)
     with pytest.raises(ValueError, match="cuda_graphs: 'emulate' needs a graph-capable model; recurrent"):
-        _make(qwen3_next_tiny, "float32")(cuda_graphs="emulate")
+        cpu(cuda_graphs="emulate")
     with pytest.raises(ValueError, match="cuda_graphs: unknown 'always'"):
         _make(qwen3_next_tiny, "float32")(cuda_graphs="always")

@@ -11,6 +11,10 @@ A snapshot lives and dies with its KV block: the pool has one snapshot slot per
 KV block (so a snapshot never lacks room), the block pool's eviction drops the
 snapshot of the evicted hash, and the engine sizes the KV pool with
 ``kv bytes + snapshot bytes`` per block.
+
+Every working tensor has one slot more than requests may hold: the scratch
+slot, which no request owns, where a decode CUDA graph's padding rows run
+their (discarded) recurrence.
 """
 
 from __future__ import annotations
@@ -45,17 +49,21 @@ class StatePool:
         num_snapshots: int,
         chunk: int,
         device: torch.device | str = "cpu",
+        pending: bool = True,
     ) -> None:
+        """``pending``: keep the canonical CPU scan's pending rows (:mod:`kvwarden.layers.chunked_scan`);
+        the token-by-token kernels and the vendor scan have none."""
         self.specs = specs
         self.chunk = chunk
         self.num_working = num_working
+        self.scratch_slot = num_working  # owned by nobody (a decode graph's padding rows)
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, device=device)
 
-        self.conv = [zeros(num_working, *s.conv_shape) for s in specs]
-        self.ssm = [zeros(num_working, *s.ssm_shape) for s in specs]
-        self.pending = [zeros(num_working, chunk, s.feature_dim) for s in specs]
+        self.conv = [zeros(num_working + 1, *s.conv_shape) for s in specs]
+        self.ssm = [zeros(num_working + 1, *s.ssm_shape) for s in specs]
+        self.pending = [zeros(num_working + 1, chunk, s.feature_dim) for s in specs] if pending else []
         self.snap_conv = [zeros(num_snapshots, *s.conv_shape) for s in specs]
         self.snap_ssm = [zeros(num_snapshots, *s.ssm_shape) for s in specs]
         self._free_working = list(range(num_working - 1, -1, -1))
@@ -63,7 +71,8 @@ class StatePool:
         self._free_snapshots = list(range(num_snapshots - 1, -1, -1))
         self._snapshot_of: dict[bytes, int] = {}
         self._staged: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        self._checkpoints: dict[str, list[torch.Tensor]] = {}
+        # request -> (copies of every working tensor for a batch of slots, its row in them)
+        self._checkpoints: dict[str, tuple[list[torch.Tensor], int]] = {}
         # Snapshot slots another instance writes (disaggregated decode): request -> {block index: slot}.
         self._reserved: dict[str, dict[int, int]] = {}
 
@@ -100,22 +109,32 @@ class StatePool:
 
     # ---------------------------------------------------------- speculation
     def checkpoint(self, request_id: str) -> None:
-        """Copy a request's working state before a step that scores draft tokens.
+        """Copy a request's working state before a step that scores draft tokens (see :meth:`checkpoint_many`)."""
+        self.checkpoint_many([request_id])
+
+    def checkpoint_many(self, request_ids: list[str]) -> None:
+        """Copy the working states of requests whose next step scores draft tokens: one gather per tensor.
 
         NOTE(invariance): a verify step advances the recurrent state through
         every draft token; if any is rejected, :meth:`rollback` returns to this
         copy and the accepted tokens are recomputed by the next step, so the
         state the request carries on is always computed from accepted tokens only.
         """
-        slot = self.working[request_id]
-        self._checkpoints[request_id] = [t[slot].clone() for t in self._working_tensors()]
+        if not request_ids:
+            return
+        tensors = self._working_tensors()
+        slots = torch.tensor([self.working[r] for r in request_ids], dtype=torch.long)
+        slots = slots.to(tensors[0].device, non_blocking=True)
+        saved = [t.index_select(0, slots) for t in tensors]
+        for i, rid in enumerate(request_ids):
+            self._checkpoints[rid] = (saved, i)
 
     def rollback(self, request_id: str, position: int) -> None:
         """Restore the checkpoint (the state at ``position``) and forget boundary states staged after it."""
-        saved = self._checkpoints.pop(request_id)
+        saved, i = self._checkpoints.pop(request_id)
         slot = self.working[request_id]
         for dst, src in zip(self._working_tensors(), saved, strict=True):
-            dst[slot].copy_(src)
+            dst[slot].copy_(src[i])
         staged = self._staged.get(request_id, {})
         for pos in [p for p in staged if p > position]:
             del staged[pos]
@@ -133,7 +152,8 @@ class StatePool:
     def views(self, request_id: str, layer: int) -> tuple[torch.Tensor, ScanState]:
         """(conv window, scan state) of a request's working slot for one layer."""
         slot = self.working[request_id]
-        return self.conv[layer][slot], ScanState(ssm=self.ssm[layer][slot], pending=self.pending[layer][slot])
+        pending = self.pending[layer][slot] if self.pending else None
+        return self.conv[layer][slot], ScanState(ssm=self.ssm[layer][slot], pending=pending)
 
     # ----------------------------------------------------------- snapshots
     def has_snapshot(self, block_hash: bytes) -> bool:
@@ -146,7 +166,8 @@ class StatePool:
         for layer in range(len(self.specs)):
             self.conv[layer][slot].copy_(self.snap_conv[layer][src])
             self.ssm[layer][slot].copy_(self.snap_ssm[layer][src])
-            self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
+            if self.pending:
+                self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
 
     def snapshot_to_host(self, block_hash: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A host copy of a boundary snapshot (the host tier keeps it with its block)."""
@@ -160,14 +181,18 @@ class StatePool:
         for layer, (conv, ssm) in enumerate(layers):
             self.conv[layer][slot].copy_(conv)
             self.ssm[layer][slot].copy_(ssm)
-            self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
+            if self.pending:
+                self.pending[layer][slot].zero_()  # a block boundary is a grid point: nothing pending
 
-    def stage(self, request_id: str, pos: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Remember a boundary state computed this step (committed after the step)."""
+    def stage(
+        self, request_id: str, pos: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor, owned: bool = False
+    ) -> None:
+        """Remember a boundary state computed this step (committed after the step); ``owned``: the tensors are
+        the caller's fresh copies (kept as they are), else they are copied."""
         per_pos = self._staged.setdefault(request_id, {})
         layers = per_pos.setdefault(pos, [])
         assert len(layers) == layer, "boundary states are staged layer by layer"
-        layers.append((conv.detach().clone(), ssm.detach().clone()))
+        layers.append((conv, ssm) if owned else (conv.detach().clone(), ssm.detach().clone()))
 
     def staged_positions(self, request_id: str) -> list[int]:
         return sorted(self._staged.get(request_id, {}))

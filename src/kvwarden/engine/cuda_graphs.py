@@ -18,9 +18,16 @@ specialised), so a row computes the same bits in a graph as eagerly:
 * the block table is a persistent ``[max seqs, max blocks]`` buffer; a row
   reads only the columns of its own context, so stale columns past it are
   never touched;
-* only models whose step has no host-side shape decisions are captured: no
-  recurrent layers (their states are addressed per request on the host) and no
-  sparse MoE (experts are chosen on the host).
+* recurrent layers address each row's working state through a static slot
+  buffer (padding rows run in the pool's scratch slot, which no request owns);
+  the state at a block boundary a row reaches is the working state after the
+  replay, staged from there - the bits an eager step's in-kernel capture
+  stores;
+* sparse MoE routes and dispatches on the device with shapes fixed by the row
+  count (``kernels/moe.py``): a padding row's pairs sit in expert tiles beside
+  real ones, which the tiles' row independence makes harmless;
+* only backends with no host-side decisions inside a step are captured: on the
+  CPU, recurrent layers walk requests and MoE walks experts on the host.
 
 Pending host-tier copies are waited for (as stream dependencies) before a
 replay, exactly as an eager step waits for them layer by layer.
@@ -35,7 +42,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvwarden.cache.paged_kv import PagedKV
+from kvwarden.cache.state_pool import StatePool
 from kvwarden.layers.attention import AttentionPlan
+from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.decoder import DecoderModel, ForwardBatch
 
 if TYPE_CHECKING:
@@ -58,10 +67,10 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 
 def graph_capable(model: DecoderModel) -> str | None:
     """Why ``model``'s decode step cannot be captured, or None when it can."""
-    if model.cfg.recurrent_layers:
-        return "recurrent layers address their states per request on the host"
-    if model.cfg.moe is not None:
-        return "sparse MoE layers choose experts on the host"
+    if model.cfg.recurrent_layers and not model.ops.batched_recurrent:
+        return "recurrent layers address their states per request on the host (CPU backends)"
+    if model.cfg.moe is not None and not model.ops.device_moe:
+        return "sparse MoE layers choose experts on the host (CPU backends)"
     if not hasattr(model.ops, "k_attention") and model.ops.device.type != "cuda":
         return "the CPU backends plan attention per request on the host"
     return None
@@ -83,6 +92,7 @@ class DecodeGraphs:
         block_size, max_model_len, max_num_seqs: bound the buffers.
         capture: record CUDA graphs (a GPU); False runs the same padded
             static-buffer step eagerly (tests of the padding on the CPU).
+        states: the recurrent working states (hybrid models), else None.
     """
 
     def __init__(
@@ -94,23 +104,29 @@ class DecodeGraphs:
         max_model_len: int,
         max_num_seqs: int,
         capture: bool,
+        states: StatePool | None = None,
     ) -> None:
         from kvwarden.layers.kernels.attention import BLOCK_Q, AttentionMeta  # Triton: GPU backends only
 
         self.model, self.kv, self.pad_slot, self.block_size = model, kv, pad_slot, block_size
+        self.states = states
         self.block_q = BLOCK_Q
         self.sizes = graph_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         dev = model.ops.device
         n, width = self.max_size, -(-max_model_len // block_size)
         self.longs = torch.zeros((3, n), dtype=torch.long, device=dev)  # token ids, positions, slots
-        self.ints = torch.zeros((3, n), dtype=torch.int32, device=dev)  # seq start, queries, tile start
+        # seq start, queries (1, or 0 for padding: also the recurrent rows), tile start, state slot
+        self.ints = torch.zeros((4, n), dtype=torch.int32, device=dev)
+        self.no_captures = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.cap_at = torch.full((1,), -1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.arange = torch.arange(n, dtype=torch.int32, device=dev)
         self._meta = AttentionMeta
         self.graphs: dict[int, _Captured] = {}
         self.replays = 0
         self.capture = capture
+        self.capture_error: str | None = None
         if capture:
             self._capture_all()
 
@@ -142,8 +158,21 @@ class DecodeGraphs:
             captured.graph.replay()
             hidden, logits = captured.hidden, captured.logits
         self.replays += 1
+        self._stage_boundaries(chunks)
         # Copies: the graph's outputs are overwritten by the next replay of any size.
         return hidden[:n].clone(), logits[:n].clone()
+
+    def _stage_boundaries(self, chunks: list[ScheduledChunk]) -> None:
+        """Rows that completed a block: their working states are the states at that boundary."""
+        states = self.states
+        if states is None:
+            return
+        for c in chunks:
+            if (c.start + 1) % self.block_size == 0:
+                rid = c.request.request_id
+                slot = states.working[rid]
+                for layer in range(len(states.specs)):
+                    states.stage(rid, c.start + 1, layer, states.conv[layer][slot], states.ssm[layer][slot])
 
     def _stage(self, chunks: list[ScheduledChunk], tables: BlockTables, size: int) -> None:
         bs, pad = self.block_size, size - len(chunks)
@@ -158,7 +187,11 @@ class DecodeGraphs:
         starts = [p - p % self.block_q for p in pos]
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.pad_slot] * pad], dtype=torch.long)
         ones = [1] * len(chunks) + [0] * pad  # padding rows have no query: they attend to nothing
-        ints = torch.tensor([pos + [0] * pad, ones, starts + [0] * pad], dtype=torch.int32)
+        states = self.states
+        state_slots = [states.working[c.request.request_id] for c in chunks] if states is not None else []
+        scratch = states.scratch_slot if states is not None else 0
+        state_slots += [scratch] * (size - len(state_slots))
+        ints = torch.tensor([pos + [0] * pad, ones, starts + [0] * pad, state_slots], dtype=torch.int32)
         width = max(len(b) for b in rows)
         table = torch.tensor([b + [0] * (width - len(b)) for b in rows], dtype=torch.int32)
         self.longs[:, :size].copy_(longs, non_blocking=True)
@@ -174,12 +207,27 @@ class DecodeGraphs:
             tile_seq=self.arange[:size],
             tile_pos0=self.ints[2, :size],
         )
+        recurrent = None
+        if self.states is not None:  # one row per request; captures are taken after the step
+            recurrent = RecurrentMeta(
+                seq_row0=self.arange[:size],
+                seq_len=self.ints[1, :size],
+                seq_slot=self.ints[3, :size],
+                row_seq=self.arange[:size],
+                cap_first=self.no_captures[:size],
+                cap_count=self.no_captures[:size],
+                cap_at=self.cap_at,
+                captures=(),
+                host_seqs=(),
+            )
         batch = ForwardBatch(
             input_ids=self.longs[0, :size],
             positions=self.longs[1, :size],
             slot_mapping=self.longs[2, :size],
             plan=AttentionPlan(seqs=(), groups=(), num_rows=size, meta=meta),
             block_size=self.block_size,
+            states=self.states,
+            recurrent=recurrent,
         )
         layers = [self.kv.raw(i) for i in range(len(self.kv))]
         hidden = self.model.forward(batch, layers)
@@ -195,11 +243,20 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self.longs[2, :size] = self.pad_slot
             self.ints[1, :size] = 0
+            if self.states is not None:
+                self.ints[3, :size] = self.states.scratch_slot
             self._forward(size)  # warm-up: compiles every kernel for this launch shape
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                hidden, logits = self._forward(size)
+            try:
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    hidden, logits = self._forward(size)
+            except RuntimeError as e:  # a kernel the capture refused: decode runs eagerly, loudly
+                self.capture_error = f"batch {size}: {e}"
+                self.graphs.clear()
+                log.warning("decode CUDA graphs disabled, steps run eagerly: %s", self.capture_error)
+                torch.cuda.synchronize()
+                return
             self.graphs[size] = _Captured(graph, hidden, logits)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)

@@ -54,9 +54,8 @@ class DraftModelProposer:
         states = self.draft.states
         for round_ in range(max((k for _, _, k in work), default=0)):
             active = [(req, shadow) for req, shadow, k in work if round_ < k]
-            if round_ == 1 and states is not None:
-                for _, shadow in active:  # the state at the committed length, restored after drafting
-                    states.checkpoint(shadow.request_id)
+            if round_ == 1 and states is not None:  # the state at the committed length, restored after drafting
+                states.checkpoint_many([shadow.request_id for _, shadow in active])
             chunks = [
                 ScheduledChunk(shadow, shadow.num_computed_tokens, shadow.num_tokens - shadow.num_computed_tokens)
                 for _, shadow in active

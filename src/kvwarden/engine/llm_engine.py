@@ -77,7 +77,12 @@ class LLMEngine:
         self.states: StatePool | None = None
         if specs:
             self.states = StatePool(
-                specs, config.scheduler.max_num_seqs, self.num_blocks, config.numerics.scan_chunk, self.ops.device
+                specs,
+                config.scheduler.max_num_seqs,
+                self.num_blocks,
+                config.numerics.scan_chunk,
+                self.ops.device,
+                pending=self.ops.scan_mode == "chunked",
             )
             self.kv = HybridCacheManager(self.kv, self.states)
         self.spec = config.speculative

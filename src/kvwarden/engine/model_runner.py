@@ -24,6 +24,7 @@ from kvwarden.config import NumericsConfig
 from kvwarden.engine.cuda_graphs import DecodeGraphs, graph_capable
 from kvwarden.engine.scheduler import SchedulerOutput
 from kvwarden.layers.attention import SeqAttn
+from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.common import TraceSink
 from kvwarden.models.decoder import DecoderModel, ForwardBatch, SeqSlice
 
@@ -116,7 +117,14 @@ class ModelRunner:
             return None
         pad_slot = self.null_slot + 1
         return DecodeGraphs(
-            self.model, self.kv_caches, pad_slot, self.block_size, max_model_len, max_num_seqs, mode == "auto"
+            self.model,
+            self.kv_caches,
+            pad_slot,
+            self.block_size,
+            max_model_len,
+            max_num_seqs,
+            mode == "auto",
+            self.states,
         )
 
     @torch.inference_mode()
@@ -155,8 +163,10 @@ class ModelRunner:
             logits = torch.empty((0, 0), device=self.device)
         return StepLogits(logits, sample_rows, prompt_rows, hidden, hidden_rows)
 
-    def make_batch(self, entries: list[BatchEntry]) -> ForwardBatch:
-        """The step's tensors for rows of several requests (host-built, copied to the device once)."""
+    def make_batch(self, entries: list[BatchEntry], with_states: bool = True) -> ForwardBatch:
+        """The step's tensors for rows of several requests (host-built, copied to the device once).
+
+        ``with_states=False``: a forward without recurrent layers (the MTP head's)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[torch.Tensor] = []
@@ -174,6 +184,13 @@ class ModelRunner:
             slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
         plan = self.ops.attention_plan(seqs, len(ids), block_ids, self.null_slot)
         dev = self.device
+        recurrent = None
+        if with_states and self.states is not None and self.ops.batched_recurrent:
+            slots = self.states.working
+            rec = [(s.request_id, s.row_start, s.num_tokens, s.start, slots[s.request_id]) for s in slices]
+            # NOTE(invariance): kvwarden captures the state at every boundary its rows cross; the fast path
+            # keeps vLLM's align rule (only where a chunk ends on a boundary), the hazard it demonstrates.
+            recurrent = RecurrentMeta.build(rec, self.block_size, self.ops.scan_mode != "vendor", dev)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
@@ -184,6 +201,7 @@ class ModelRunner:
             block_size=self.block_size,
             scan_chunk=self.numerics.scan_chunk,
             tracer=self.tracer,
+            recurrent=recurrent,
         )
 
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:

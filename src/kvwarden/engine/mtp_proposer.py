@@ -110,7 +110,7 @@ class MtpProposer:
         return self._run(entries, hidden), last_row
 
     def _run(self, entries: list[BatchEntry], hidden: torch.Tensor) -> torch.Tensor:
-        batch = self.target.runner.make_batch(entries)
+        batch = self.target.runner.make_batch(entries, with_states=False)
         batch.states = None  # the head has no recurrent layer
         batch.tracer = None
         return self.head.forward(batch, hidden, self.kv_caches)

@@ -37,9 +37,7 @@ class Speculator:
         """Checkpoint the recurrent working state of every request whose chunk carries drafts."""
         if self.states is None:
             return
-        for chunk in sched.chunks:
-            if chunk.num_spec:
-                self.states.checkpoint(chunk.request.request_id)
+        self.states.checkpoint_many([c.request.request_id for c in sched.chunks if c.num_spec])
 
     def commit(self, chunk: ScheduledChunk, accepted: int, kept: int) -> None:
         """Record ``accepted`` drafts and advance past the ``kept`` ones (fewer when a stop cut the step).

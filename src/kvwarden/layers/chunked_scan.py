@@ -43,7 +43,7 @@ class ScanState:
     """Views of one request's working state for one layer (updated in place)."""
 
     ssm: torch.Tensor
-    pending: torch.Tensor  # [chunk, F]: features of positions since the last grid point
+    pending: torch.Tensor | None  # [chunk, F]: features of positions since the last grid point (chunked only)
 
 
 def canonical_scan(
@@ -56,6 +56,7 @@ def canonical_scan(
     capture: Capture,
 ) -> torch.Tensor:
     """Outputs for positions ``[start, start + len(new))``; advances the working state."""
+    assert state.pending is not None, "the chunked scan needs the state pool's pending rows"
     base = start - start % chunk
     have = start - base
     rows = torch.cat([state.pending[:have].to(new.dtype), new]) if have else new

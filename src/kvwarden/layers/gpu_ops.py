@@ -27,13 +27,46 @@ from kvwarden.layers.rotary import RotaryEmbedding
 
 
 class CudaOps(Ops):
-    """Library kernels on CUDA, on whatever shape arrives (not invariant)."""
+    """Library kernels on CUDA, on whatever shape arrives (not invariant).
+
+    Recurrent layers and sparse MoE share the batched device kernels with the canonical backend
+    (``batched_recurrent``, ``device_moe``: one launch per layer for every request, nothing read back
+    to the host, so hybrid decode steps are captured in CUDA graphs on both); the fast path keeps
+    vLLM's align-mode rule of saving a recurrent state only where a chunk ends on a block boundary.
+    """
 
     name = "shape-dependent"
+    batched_recurrent = True
+    device_moe = True
 
     def __init__(self, config: NumericsConfig, device: torch.device) -> None:
         super().__init__(config)
         self.device = device
+        from kvwarden.layers.kernels import conv, moe, recurrent, rows  # Triton, where it is used
+
+        self.k_conv, self.k_moe, self.k_recurrent, self.k_rows = conv, moe, recurrent, rows
+
+    # ------------------------------------------------------ recurrent layers and MoE, batched on the device
+    def causal_conv(self, *args: Any) -> torch.Tensor:
+        return self.k_conv.causal_conv(*args)
+
+    def gated_delta_step(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_recurrent.gated_delta(*args)
+
+    def mamba2_step(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_recurrent.mamba2(*args)
+
+    def rms_norm_gated(self, *args: Any) -> torch.Tensor:
+        return self.k_rows.rms_norm_gated(*args)
+
+    def moe_route(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_moe.route(*args)
+
+    def moe_experts(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.k_moe.experts(*args)
+
+    def moe_combine(self, *args: torch.Tensor | None) -> torch.Tensor:
+        return self.k_moe.combine(*args)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # cuBLAS chooses its algorithm (split-K included) from the problem shape: the real thing.
@@ -103,10 +136,9 @@ class TritonOps(CudaOps):
     def __init__(self, config: NumericsConfig, device: torch.device) -> None:
         super().__init__(config, device)
         # Imported here: the kernels need Triton, which a CPU-only install may lack.
-        from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent, rotary, rows
+        from kvwarden.layers.kernels import attention, gemm, pointwise, rotary
 
-        self.k_attention, self.k_gemm, self.k_pointwise = attention, gemm, pointwise
-        self.k_recurrent, self.k_rotary, self.k_rows = recurrent, rotary, rows
+        self.k_attention, self.k_gemm, self.k_pointwise, self.k_rotary = attention, gemm, pointwise, rotary
         self._named: dict[Callable[..., Any], str] = {
             torch.sigmoid: "sigmoid",
             torch.nn.functional.silu: "silu",
@@ -194,10 +226,3 @@ class TritonOps(CudaOps):
         self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, scale: float, block_size: int
     ) -> torch.Tensor:
         return self.k_attention.paged_attention(q, kv[0], kv[1], plan.meta, block_size, scale)
-
-    # ---------------------------------------------------------------- recurrent scans
-    def gated_delta_scan(self, *args: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_recurrent.gated_delta(*args)  # type: ignore[arg-type]
-
-    def mamba2_scan(self, *args: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_recurrent.mamba2(*args)  # type: ignore[arg-type]

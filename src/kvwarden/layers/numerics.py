@@ -63,6 +63,11 @@ class Ops:
     # How recurrent layers scan: "vendor" (grid from the chunk's start, state only at chunk ends),
     # "chunked" (kvwarden's absolute 16-row grid, CPU) or "recurrent" (token by token, GPU).
     scan_mode = "vendor"
+    # GPU backends: recurrent layers run once per layer for every request of a step (causal_conv,
+    # gated_delta_step, mamba2_step, rms_norm_gated), sparse MoE routes and dispatches on the device
+    # (moe_experts, moe_combine); the CPU walks requests and experts on the host.
+    batched_recurrent = False
+    device_moe = False
 
     def __init__(self, config: NumericsConfig) -> None:
         self.config = config

@@ -10,6 +10,7 @@ import torch
 
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.layers.attention import AttentionPlan
+from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.config import ModelConfig
 
 WeightGetter = Callable[[str], torch.Tensor | None]
@@ -49,6 +50,7 @@ class ForwardBatch:
         block_size: KV block size (recurrent states are captured at block boundaries).
         scan_chunk: the canonical scan's chunk size (divides ``block_size``).
         tracer: when set, hooked activations of the step are recorded into it.
+        recurrent: the batched recurrent kernels' addressing (GPU backends), else None (per-request walk).
     """
 
     input_ids: torch.Tensor
@@ -60,6 +62,7 @@ class ForwardBatch:
     block_size: int = 16
     scan_chunk: int = 16
     tracer: TraceSink | None = None
+    recurrent: RecurrentMeta | None = None
 
     def trace(self, name: str, rows: torch.Tensor) -> None:
         if self.tracer is not None:

@@ -47,20 +47,36 @@ class SparseMoE:
     NOTE(invariance): every expert GEMM goes through the row-tiled linear (a
     row's bits do not depend on which other tokens chose the expert), and a
     token's expert outputs are summed in rank order with explicit adds, not by
-    scattered accumulation whose order would depend on the batch.
+    scattered accumulation whose order would depend on the batch. On the GPU
+    backends (``Ops.device_moe``) routing, dispatch, the expert GEMMs and the
+    combine run on the device with the same rounding points
+    (:mod:`kvwarden.layers.kernels.moe` gives the argument); on the CPU the
+    experts a step chose are walked on the host.
     """
 
     def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
         assert cfg.moe is not None
         self.moe, self.ops = cfg.moe, ops
         self.router = require(get, f"{prefix}.gate.weight")
-        self.experts = [MLP(get, f"{prefix}.experts.{e}", ops) for e in range(cfg.moe.num_experts)]
+        experts = [MLP(get, f"{prefix}.experts.{e}", ops) for e in range(cfg.moe.num_experts)]
+        self.on_device = ops.device_moe and all(e.b_gate_up is None and e.b_down is None for e in experts)
+        if self.on_device:  # stacked [E, 2I, H] and [E, H, I]; the per-expert copies are dropped
+            self.w_gate_up = torch.stack([e.w_gate_up for e in experts])
+            self.w_down = torch.stack([e.w_down for e in experts])
+            experts = []
+        self.experts = experts
         self.shared = MLP(get, f"{prefix}.shared_expert", ops) if cfg.moe.shared_intermediate_size else None
         self.shared_gate = get(f"{prefix}.shared_expert_gate.weight")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops, k = self.ops, self.moe.top_k
         rows = h.shape[0]
+        if self.on_device:  # one kernel routes, one sort and one kernel dispatch, two run the experts
+            weights, chosen = ops.moe_route(ops.linear(h, self.router), k, self.moe.norm_topk_prob, h.dtype)  # type: ignore[attr-defined]
+            per_rank = ops.moe_experts(h, chosen, weights, self.w_gate_up, self.w_down)  # type: ignore[attr-defined]
+            shared = self.shared(h) if self.shared is not None else None
+            gate = ops.linear(h, self.shared_gate) if shared is not None and self.shared_gate is not None else None
+            return ops.moe_combine(per_rank, shared, gate)  # type: ignore[attr-defined]
         logits = ops.linear(h, self.router).float()
         probs = ops.softmax_rows(logits)
         weights, chosen = ops.topk_rows(probs, k)

@@ -1,10 +1,13 @@
 """Recurrent mixers: Qwen3-Next's gated DeltaNet and Granite's Mamba2, over the state pool.
 
-Each block projects all rows at once (row-tiled GEMMs), then walks the batch's
-requests one by one: causal conv from the request's conv window, then the scan
-through :mod:`kvwarden.layers.chunked_scan` (canonical or vendor-style). Per
-token, everything the scan needs is packed into one feature row, which is what
-the canonical driver keeps for the pending rows of an unfinished grid chunk.
+Each block projects all rows at once (row-tiled GEMMs). On the CPU it then
+walks the batch's requests one by one: causal conv from the request's conv
+window, then the scan through :mod:`kvwarden.layers.chunked_scan` (canonical or
+vendor-style). Per token, everything the scan needs is packed into one feature
+row, which is what the canonical driver keeps for the pending rows of an
+unfinished grid chunk. On the GPU backends (``Ops.batched_recurrent``) the conv
+and the scan run once per layer for every request of the step
+(:mod:`kvwarden.models.recurrent_batched`), with the gates inside the scan.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvwarden.layers.conv1d import causal_conv1d, shape_dependent_conv1d
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
 from kvwarden.models.config import ModelConfig
+from kvwarden.models.recurrent_batched import boundary_windows, conv_columns, stage_captures, trace_states_in
 
 
 class _RecurrentBlock:
@@ -99,6 +103,12 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         self.neg_a = -torch.exp(require(get, f"{prefix}.A_log").float())
         self.norm = require(get, f"{prefix}.norm.weight")
         self.w_out = require(get, f"{prefix}.out_proj.weight")
+        hk, dk, vd = self.g.num_key_heads, self.g.key_head_dim, self.g.num_value_heads // self.g.num_key_heads
+        vd *= self.g.value_head_dim
+        self.group = 2 * dk + 2 * vd  # in_proj_qkvz per key head: q (dk), k (dk), v (rep dv), z (rep dv)
+        # The conv's channels q | k | v, read in place from in_proj_qkvz's output (batched path).
+        cols = conv_columns((hk, dk, self.group, 0), (hk, dk, self.group, dk), (hk, vd, self.group, 2 * dk))
+        self.conv_cols = torch.tensor(cols, dtype=torch.int32, device=ops.device)
 
     def spec(self) -> RecurrentLayerSpec:
         g = self.g
@@ -113,6 +123,8 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         rows = h.shape[0]
         hk, hv, dk, dv = g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim
         rep = hv // hk
+        if batch.recurrent is not None:
+            return self._batched(h, batch, layer)
         qkvz = ops.linear(h, self.w_qkvz).view(rows, hk, 2 * dk + 2 * rep * dv)
         q, k, v, z = torch.split(qkvz, [dk, dk, rep * dv, rep * dv], dim=-1)
         ba = ops.linear(h, self.w_ba).view(rows, hk, 2 * rep)
@@ -129,6 +141,27 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         normed = ops.rms_norm(core.to(h.dtype), self.norm, self.eps)
         gated = normed.float() * self._silu(z.reshape(rows * hv, dv).float())
         return ops.linear(gated.to(h.dtype).reshape(rows, hv * dv), self.w_out)
+
+    def _batched(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """Every request at once: conv, then the scan with its gates, then the gated norm (GPU backends)."""
+        g, ops, meta, states = self.g, self.ops, batch.recurrent, batch.states
+        assert meta is not None and states is not None
+        rows = h.shape[0]
+        qkvz = ops.linear(h, self.w_qkvz)
+        ba = ops.linear(h, self.w_ba)
+        if batch.tracer is not None:
+            batch.trace(f"{self.name}.in_proj", qkvz.index_select(1, self.conv_cols))
+        trace_states_in(batch, meta, self.name, layer)
+        windows = boundary_windows(qkvz, self.conv_cols, states.conv[layer], meta) if meta.captures else []
+        mixed = ops.causal_conv(qkvz, self.conv_cols, states.conv[layer], self.conv_w, self.conv_b, meta)
+        core, caps = ops.gated_delta_step(mixed, ba, self.neg_a, self.dt_bias, states.ssm[layer], meta, g.num_key_heads)
+        stage_captures(states, meta, layer, windows, caps)
+        batch.trace(f"{self.name}.scan", core.view(rows, -1))
+        rep = g.num_value_heads // g.num_key_heads
+        gated = ops.rms_norm_gated(
+            core, self.norm, self.eps, qkvz, self.group, 2 * g.key_head_dim + rep * g.value_head_dim, rep
+        )
+        return ops.linear(gated.view(rows, -1), self.w_out)
 
     def _unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Packed features -> per-head q, k, v [Hv, L, d], g, beta [Hv, L] (q, k l2-normalised)."""
@@ -182,6 +215,8 @@ class Mamba2Block(_RecurrentBlock):
         self.d = require(get, f"{prefix}.D").float()
         self.norm = require(get, f"{prefix}.norm.weight")
         self.w_out, self.b_out = require(get, f"{prefix}.out_proj.weight"), get(f"{prefix}.out_proj.bias")
+        m = self.m  # in_proj: gate (inner) | x B C (conv_dim) | dt (heads); the conv reads x B C in place
+        self.conv_cols = torch.arange(m.inner, m.inner + m.conv_dim, dtype=torch.int32, device=ops.device)
 
     def spec(self) -> RecurrentLayerSpec:
         m = self.m
@@ -196,21 +231,41 @@ class Mamba2Block(_RecurrentBlock):
         rows = h.shape[0]
         proj = ops.linear(h, self.w_in, self.b_in)
         gate, xbc, dt = torch.split(proj, [m.inner, m.conv_dim, m.num_heads], dim=-1)
-        dt = ops.softplus(dt.float() + self.dt_bias)
-        lo, hi = m.time_step_limit
-        if lo > 0.0 or hi != float("inf"):
-            dt = dt.clamp(lo, hi)
+        if batch.recurrent is not None:
+            y = self._batched(proj, dt, batch, layer)
+        else:
+            dt = ops.softplus(dt.float() + self.dt_bias)
+            lo, hi = m.time_step_limit
+            if lo > 0.0 or hi != float("inf"):
+                dt = dt.clamp(lo, hi)
 
-        def features(conv_out: torch.Tensor, r0: int) -> torch.Tensor:
-            return torch.cat([conv_out.float(), dt[r0 : r0 + conv_out.shape[0]]], dim=-1)
+            def features(conv_out: torch.Tensor, r0: int) -> torch.Tensor:
+                return torch.cat([conv_out.float(), dt[r0 : r0 + conv_out.shape[0]]], dim=-1)
 
-        y = self._scan_requests(xbc.contiguous(), batch, layer, features)  # [rows, inner]
+            y = self._scan_requests(xbc.contiguous(), batch, layer, features)  # [rows, inner]
         gated = y * self._silu(gate.float())
         group = m.inner // m.n_groups
         ones = torch.ones(group, dtype=torch.float32, device=h.device)
         normed = ops.rms_norm(gated.reshape(rows * m.n_groups, group), ones, self.eps).reshape(rows, m.inner)
         normed = self.norm * normed.to(h.dtype)
         return ops.linear(normed, self.w_out, self.b_out)
+
+    def _batched(self, proj: torch.Tensor, dt: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """Every request at once: conv, then the scan (dt's softplus and clamp inside); ``[rows, inner]`` float32."""
+        m, ops, meta, states = self.m, self.ops, batch.recurrent, batch.states
+        assert meta is not None and states is not None
+        if batch.tracer is not None:
+            batch.trace(f"{self.name}.in_proj", proj.index_select(1, self.conv_cols))
+        trace_states_in(batch, meta, self.name, layer)
+        windows = boundary_windows(proj, self.conv_cols, states.conv[layer], meta) if meta.captures else []
+        mixed = ops.causal_conv(proj, self.conv_cols, states.conv[layer], self.conv_w, self.conv_b, meta)
+        y, caps = ops.mamba2_step(
+            mixed, dt, self.dt_bias, self.a, self.d, states.ssm[layer], meta, m.n_groups, m.time_step_limit
+        )
+        stage_captures(states, meta, layer, windows, caps)
+        y = y.view(proj.shape[0], m.inner)
+        batch.trace(f"{self.name}.scan", y)
+        return y
 
     def _unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.m

@@ -71,6 +71,47 @@ def rms_norm(
 
 
 @triton.jit(do_not_specialize=["rows"])
+def _rms_norm_gated_kernel(
+    x_ptr, w_ptr, z_ptr, y_ptr, rows, D, eps, z_row, z_group, z_base,
+    HEADS: tl.constexpr, REP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)  # one program per (token, head): row r = token * HEADS + head
+    token = r // HEADS
+    head = r % HEADS
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + r * D + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / D
+    normed = xf * (1.0 / tl.sqrt(var + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * normed.to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    z_off = token.to(tl.int64) * z_row + (head // REP) * z_group + z_base + (head % REP) * D
+    z = tl.load(z_ptr + z_off + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r * D + cols, (y * (z / (1.0 + tl.exp(-z)))).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_gated(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, z: torch.Tensor, z_group: int, z_base: int, rep: int
+) -> torch.Tensor:
+    """Qwen3-Next's gated norm: ``(weight * rms_norm(x)) * silu(z)`` per head, rounded as transformers does.
+
+    ``x [tokens, heads, D]``; head ``h``'s gate is ``D`` columns of row ``token`` of ``z`` starting at
+    ``(h // rep) * z_group + z_base + (h % rep) * D`` (the ``z`` part of ``in_proj_qkvz``, read in place).
+    """
+    tokens, heads, d = x.shape
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if tokens:
+        block = _block(d)
+        _rms_norm_gated_kernel[(tokens * heads,)](
+            x, weight, z, y, tokens * heads, d, eps, z.stride(0), z_group, z_base,
+            HEADS=heads, REP=rep, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return y
+
+
+@triton.jit(do_not_specialize=["rows"])
 def _row_reduce_kernel(x_ptr, y_ptr, rows, H, eps, OP: tl.constexpr, BLOCK: tl.constexpr):
     """OP 0: sum (keepdim), 1: l2 norm sqrt(sum(x*x) + eps) (keepdim), 2: softmax, 3: log-softmax."""
     row = tl.program_id(0)

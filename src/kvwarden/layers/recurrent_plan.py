@@ -1,0 +1,92 @@
+"""One step's requests as the batched recurrent kernels see them (device tensors, built once per step).
+
+The GPU backends run every recurrent layer of a step as a handful of launches
+over all of the step's requests (:mod:`kvwarden.layers.kernels.recurrent`,
+:mod:`kvwarden.layers.kernels.conv`); each request is addressed through these
+index tensors: its rows in the batch and its working-state slot in the state
+pool. A decode CUDA graph keeps the same tensors as static buffers and fills
+them before a replay, so no per-request Python runs inside a step.
+
+No Triton here: the model files import this type on every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateCapture:
+    """A recurrent state to stage after the step: request ``seq``'s state at position ``pos``."""
+
+    seq: int  # index of the request in the step
+    request_id: str
+    pos: int  # absolute position (a block boundary); the state after token ``pos - 1``
+    index: int  # token index inside the request's rows of this step after which it is taken
+
+
+@dataclass(frozen=True)
+class RecurrentMeta:
+    """Per-step addressing of the batched recurrent kernels.
+
+    Attributes:
+        seq_row0, seq_len, seq_slot: ``[seqs]`` int32: first row in the batch,
+            number of rows (0 for a decode graph's padding rows) and working-state
+            slot of each request.
+        row_seq: ``[rows]`` int32, the request of each row.
+        cap_first, cap_count: ``[seqs]`` int32: a request's first entry in
+            ``cap_at`` and how many it has.
+        cap_at: ``[max(captures, 1)]`` int32: token indices (inside the request's
+            rows) after which the kernel copies its state out, ascending per request.
+        captures: the same captures on the host, in ``cap_at`` order.
+        host_seqs: per request ``(request id, first row, rows, absolute start, slot)`` on the host
+            (empty in a decode graph).
+    """
+
+    seq_row0: torch.Tensor
+    seq_len: torch.Tensor
+    seq_slot: torch.Tensor
+    row_seq: torch.Tensor
+    cap_first: torch.Tensor
+    cap_count: torch.Tensor
+    cap_at: torch.Tensor
+    captures: tuple[StateCapture, ...]
+    host_seqs: tuple[tuple[str, int, int, int, int], ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_row0.shape[0]
+
+    @staticmethod
+    def build(
+        seqs: list[tuple[str, int, int, int, int]], block_size: int, every_boundary: bool, device: torch.device
+    ) -> RecurrentMeta:
+        """Index tensors for one step, copied to the device in one transfer.
+
+        Args:
+            seqs: per request ``(request id, first row, rows, absolute start, state slot)``, in row order.
+            every_boundary: capture the state at every block boundary the rows cross (kvwarden's rule);
+                False keeps only a boundary the chunk ends on (vLLM's align mode, the fast path's rule).
+        """
+        row0, lens, slots, row_seq, first, count, at = [], [], [], [], [], [], []
+        captures: list[StateCapture] = []
+        for s, (rid, r0, n, start, slot) in enumerate(seqs):
+            row0.append(r0)
+            lens.append(n)
+            slots.append(slot)
+            row_seq.extend([s] * n)
+            ends = range((start // block_size + 1) * block_size, start + n + 1, block_size)
+            if not every_boundary:
+                ends = [e for e in ends if e == start + n]
+            first.append(len(at))
+            for end in ends:
+                captures.append(StateCapture(s, rid, end, end - start - 1))
+                at.append(end - start - 1)
+            count.append(len(at) - first[-1])
+        nseq = len(seqs)
+        flat = torch.tensor(row0 + lens + slots + row_seq + first + count + (at or [-1]), dtype=torch.int32)
+        flat = flat.to(device, non_blocking=True)
+        parts = flat.split([nseq] * 3 + [len(row_seq)] + [nseq] * 2 + [max(len(at), 1)])  # the fields' order
+        return RecurrentMeta(*parts, captures=tuple(captures), host_seqs=tuple(seqs))
