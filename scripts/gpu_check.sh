@@ -15,9 +15,10 @@
 #   scripts/gpu_check.sh full pd                      # disaggregated prefill/decode on one GPU (needs NIXL in .whl/)
 #   scripts/gpu_check.sh full tests fla hybridspeed hybridprofile   # the hybrid family: kernels, fla, rows, profile
 #   scripts/gpu_check.sh full hybridmatrix truth      # (a)-(j) on both hybrids; bf16 error against float32 truth
+#   scripts/gpu_check.sh full sweep                   # the published configurations (bench/configs/), f32 and bf16
 #
 # Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd,
-# fla, hybridspeed, hybridprofile, hybridmatrix, truth
+# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -181,6 +182,17 @@ if want truth; then  # bfloat16 error of kvwarden and of transformers against tr
     ${TRUTH_ARGS:---prompts 16 --model builtin:qwen3_next-0.6b --model builtin:qwen3-0.6b} 2>&1 | tee "$OUT/truth.log" | grep '^|'
   tail -n 1 "$OUT/truth.log" > "$OUT/truth.json"
   record "truth: median|max first-token error (kvwarden, hf)" "$(python3 -c "import json; d=json.load(open('$OUT/truth.json'))['models']; print({m: s.get('truth') for m, s in d.items()})" 2>&1 | tail -n 1)"
+fi
+
+if [ "$MODE" = full ] && want sweep; then  # every published configuration, all experts, both dtypes
+  for DT in float32 bfloat16; do
+    TOL=$([ "$DT" = float32 ] && echo 1e-3 || echo 0.25)
+    stage "sweep over published configurations on the GPU, $DT (bench/sweep.py, bound $TOL)"
+    timeout "${SWEEP_TIMEOUT:-280}" python3 bench/sweep.py --device cuda --dtype "$DT" --tol "$TOL" ${SWEEP_ARGS:-} \
+      2>&1 | tee "$OUT/sweep-$DT.log" | grep '^|'
+    tail -n 1 "$OUT/sweep-$DT.log" > "$OUT/sweep-$DT.json"
+    record "sweep $DT: rows agreeing or refused" "$(python3 -c "import json; r=json.load(open('$OUT/sweep-$DT.json'))['rows']; print(sum(x['status'] in ('agrees', 'refused') for x in r), 'of', len(r))" 2>&1 | tail -n 1)"
+  done
 fi
 
 if want hosttier; then

@@ -212,22 +212,27 @@ def test_moe_experts_rows_do_not_depend_on_who_else_chose_the_expert(dtype: torc
     assert same(moe.combine(out[7:9], shared[7:9], gate[7:9]), y[7:9])
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_moe_routing_is_a_stable_top_k_and_the_tiles_cover_every_pair(normalize: bool) -> None:
+@pytest.mark.parametrize("mode", ["softmax-topk-renorm", "softmax-topk", "topk-softmax"])
+def test_moe_routing_is_a_stable_top_k_and_the_tiles_cover_every_pair(mode: str) -> None:
+    """Qwen's routing (softmax over all, then the top k, renormalised or not) and Granite's (the top k logits,
+    then their softmax)."""
     g = gen(16)
     rows_, e, topk = 9, 10, 3
     logits = rand(g, rows_, e)
     logits[2] = 0.5  # every expert tied: the lowest indices win, in order
     logits[4, 7] = logits[4, 1] = 3.0  # a tie for the top: expert 1 before 7
-    weights, chosen = moe.route(logits, topk, normalize, torch.float32)
-    probs = torch.softmax(logits.double().cpu(), -1)
-    ref_w, ref_i = torch.sort(probs, dim=-1, descending=True, stable=True)
+    normalize, first = mode == "softmax-topk-renorm", mode == "topk-softmax"
+    weights, chosen = moe.route(logits, topk, normalize, torch.float32, first)
+    scores = logits.double().cpu() if first else torch.softmax(logits.double().cpu(), -1)
+    ref_w, ref_i = torch.sort(scores, dim=-1, descending=True, stable=True)
     ref_w, ref_i = ref_w[:, :topk], ref_i[:, :topk]
+    if first:
+        ref_w = torch.softmax(ref_w, -1)
     if normalize:
         ref_w = ref_w / ref_w.sum(-1, keepdim=True)
     assert chosen.cpu().tolist() == ref_i.tolist()
     assert close(weights, ref_w, torch.float32)
-    assert same(moe.route(logits[4:5], topk, normalize, torch.float32)[0], weights[4:5])
+    assert same(moe.route(logits[4:5], topk, normalize, torch.float32, first)[0], weights[4:5])
     order, expert, first, nrows = moe.dispatch(chosen, e, 4)
     flat = chosen.reshape(-1).cpu()
     seen = []

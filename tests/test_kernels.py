@@ -214,6 +214,23 @@ def test_attention_is_the_same_for_prefill_chunks_decode_and_batch(
     assert same(mixed[10:], run([(1, 0, 23)]))
 
 
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(6, 2, 16), (5, 1, 24), (7, 1, 20), (9, 3, 80)])
+def test_attention_takes_any_gqa_ratio_and_head_size(hq: int, hkv: int, d: int) -> None:
+    """GQA ratios 3, 5, 7 (SmolLM2's 9/3) and head sizes that are not powers of two (80: Phi, 96)."""
+    g = gen(9)
+    block, scale = 4, d**-0.5
+    k, v, tables = _paged(g, [21], hkv, d, block, torch.float32)
+    q = rand(g, 21, hq, d)
+
+    def run(start: int, n: int) -> torch.Tensor:
+        meta = attention.AttentionMeta.build([(0, start, n, tables[0])], DEVICE)
+        return attention.paged_attention(q[start : start + n], k, v, meta, block, scale)
+
+    whole = run(0, 21)
+    assert close(whole, _reference(q, k, v, tables[0], block, 0, scale), torch.float32)
+    assert same(torch.cat([run(0, 17), run(17, 1), run(18, 3)]), whole)
+
+
 def test_precompile_runs_both_forms_and_they_agree() -> None:
     g = gen(8)
     k, v = (rand(g, 4 * 16 + 2, 2, 16) for _ in range(2))

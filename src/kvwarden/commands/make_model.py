@@ -18,10 +18,18 @@ def register(sub: argparse._SubParsersAction) -> None:
             "seed gives byte-identical files; transformers loads them."
         ),
     )
-    p.add_argument("--arch", choices=ARCHS, required=True, help="model family")
+    p.add_argument("--arch", choices=ARCHS, help="model family (a preset of kvwarden's)")
     p.add_argument(
         "--preset", choices=PRESETS, default="tiny", help="size: tiny (tests), small (CPU benchmarks), compat (vLLM)"
     )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="instead of --arch: a published model's config.json (any supported family); random weights of its "
+        "exact shapes",
+    )
+    p.add_argument("--num-layers", type=int, help="with --config: keep the first N layers (a hybrid keeps both kinds)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="with --config: weight dtype")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--out", required=True, help="output directory (created if missing)")
     p.add_argument(
@@ -40,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        return _from_config(args)
+    if args.arch is None:
+        args.parser.error("--arch: required (or --config FILE for a published model's shapes)")
+    if args.num_layers is not None:
+        args.parser.error("--num-layers: only with --config")
     if args.fit_mtp and args.arch != "qwen3_next":
         args.parser.error(f"--fit-mtp: only qwen3_next checkpoints carry an MTP head, not --arch {args.arch}")
     from kvwarden.models.make_model import make_model
@@ -70,4 +84,30 @@ def run(args: argparse.Namespace) -> int:
             f"(before fitting {r['initial_heldout_accuracy']:.3f}, train {r['train_accuracy']:.3f}; "
             f"{r['steps']} steps, {r['seconds']:.0f} s)"
         )
+    return 0
+
+
+def _from_config(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kvwarden.models.make_model import make_model_from_config
+
+    if args.arch is not None:
+        args.parser.error("--config: replaces --arch (the family comes from the config's architectures)")
+    if args.fit_mtp or args.fit_draft:
+        args.parser.error("--fit-mtp / --fit-draft: only with --arch")
+    if args.num_layers is not None and args.num_layers < 1:
+        args.parser.error(f"--num-layers: must be >= 1, got {args.num_layers}")
+    path = Path(args.config)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        args.parser.error(f"--config: cannot read {path}: {e}")
+    try:
+        out = make_model_from_config(config, args.out, args.seed, args.num_layers, args.dtype)
+    except (ValueError, KeyError) as e:
+        args.parser.error(f"--config: {path}: {e}")
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    print(f"wrote {config.get('architectures', ['?'])[0]} from {path} ({layers} layers, seed {args.seed}) to {out}")
     return 0

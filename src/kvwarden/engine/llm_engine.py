@@ -9,6 +9,7 @@ until every request it added has finished.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from kvwarden.engine.speculator import Speculator
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -57,6 +59,17 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
+        window = self.model_config.sliding_window
+        if window is not None and self.max_model_len > window:
+            # NOTE: with every sequence within the window, full causal attention is exactly the sliding one;
+            # kvwarden has no sliding-window kernel, so longer contexts are refused rather than served wrongly.
+            if config.max_model_len:
+                raise ValueError(
+                    f"max_model_len: {config.max_model_len} exceeds the model's sliding_window ({window}); kvwarden "
+                    f"serves sliding-window models up to the window, where attention is exact: use {window} or less"
+                )
+            log.info("max_model_len: %d (the model's sliding_window; longer contexts are refused)", window)
+            self.max_model_len = window
         cache = config.cache
         model = self.loaded.model
         specs = model.recurrent_specs()

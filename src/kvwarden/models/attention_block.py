@@ -24,11 +24,17 @@ class AttentionBlock:
         self.cfg, self.ops, self.rope = cfg, ops, rope
         names = ("q_proj", "k_proj", "v_proj")
         weights = [require(get, f"{prefix}.{n}.weight") for n in names]
+        # Biases exactly where the config puts them (Qwen2: q, k and v only); one in the checkpoint that the
+        # config does not announce is never read, so the loader refuses it rather than serve with or without it.
+        qkv_bias = cfg.attention_bias
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        biases = [require(get, f"{prefix}.{n}.bias") if qkv_bias else None for n in names]
         # One GEMM for q, k and v: a third of the launches and a wider grid for small batches.
         # NOTE(invariance): the fused weight's shape alone picks the GEMM's tiles, as for any weight.
-        self.wqkv, self.bqkv = fuse(weights, [get(f"{prefix}.{n}.bias") for n in names])
+        self.wqkv, self.bqkv = fuse(weights, biases)
         self.qkv_split = [w.shape[0] for w in weights]
-        self.wo, self.bo = require(get, f"{prefix}.o_proj.weight"), get(f"{prefix}.o_proj.bias")
+        self.wo = require(get, f"{prefix}.o_proj.weight")
+        self.bo = require(get, f"{prefix}.o_proj.bias") if o_bias else None
         self.q_norm = norm_weight(cfg, get, f"{prefix}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = norm_weight(cfg, get, f"{prefix}.k_norm.weight") if cfg.qk_norm else None
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim**-0.5

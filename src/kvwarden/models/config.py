@@ -12,64 +12,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvwarden.models.config_parts import (
+    ATTENTION,
+    GATED_DELTANET,
+    MAMBA2,
+    GatedDeltaNetConfig,
+    Mamba2Config,
+    MoEConfig,
+    granite_hybrid_fields,
+    qwen3_next_fields,
+    qwen_moe,
+    refuse_unsupported,
+    sliding_window,
+)
+
+# The layer kinds and sub-configs are part of this module's interface (models import them from here).
+__all__ = [
+    "ATTENTION",
+    "GATED_DELTANET",
+    "MAMBA2",
+    "SUPPORTED_ARCHITECTURES",
+    "GatedDeltaNetConfig",
+    "Mamba2Config",
+    "MoEConfig",
+    "ModelConfig",
+    "rope_parameters",
+]
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
     "GraniteMoeHybridForCausalLM",
 )
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
-ATTENTION = "attention"
-GATED_DELTANET = "gated_deltanet"
-MAMBA2 = "mamba2"
-
-
-@dataclass(frozen=True)
-class GatedDeltaNetConfig:
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
-
-
-@dataclass(frozen=True)
-class Mamba2Config:
-    num_heads: int
-    head_dim: int
-    state_size: int
-    n_groups: int
-    conv_kernel: int
-    conv_bias: bool
-    proj_bias: bool
-    time_step_limit: tuple[float, float]
-
-    @property
-    def inner(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.inner + 2 * self.n_groups * self.state_size
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    shared_intermediate_size: int
-    norm_topk_prob: bool
-    sparse_layers: tuple[bool, ...]
+# Families whose attention has a per-head q/k RMSNorm, and those with Qwen3-Next's linear attention.
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
+_GATED_DELTANET = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -105,6 +97,7 @@ class ModelConfig:
     gated_deltanet: GatedDeltaNetConfig | None = None
     mamba2: Mamba2Config | None = None
     moe: MoEConfig | None = None
+    sliding_window: int | None = None  # Mistral: attention limited to this many keys (served up to it only)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -126,8 +119,10 @@ class ModelConfig:
         arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type") or "", str(cfg.get("model_type")))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"config.json: architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+                f"config.json: architectures {archs or [arch]} is not supported; kvwarden serves "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
             )
+        refuse_unsupported(arch, cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -144,20 +139,27 @@ class ModelConfig:
             "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
             "max_position_embeddings": int(cfg.get("max_position_embeddings", 2048)),
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "attention_bias": bool(cfg.get("attention_bias", False)),
-            "mlp_bias": bool(cfg.get("mlp_bias", False)),
-            "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3NextForCausalLM"),
+            # only Llama's MLP reads mlp_bias (the others have none, whatever the field says)
+            "mlp_bias": arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+            "qk_norm": arch in _QK_NORM,
+            # as each family's transformers code builds its projections: Qwen2 always biases q/k/v (never o),
+            # Mistral never, the others as attention_bias says (Qwen2's and Mistral's fields are ignored there too)
+            "attention_bias": arch == "Qwen2ForCausalLM"
+            or (arch != "MistralForCausalLM" and bool(cfg.get("attention_bias", False))),
             "rope_parameters": rope,
             "partial_rotary_factor": float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
             "bos_token_id": cfg.get("bos_token_id"),
             "eos_token_ids": tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             "layer_types": (ATTENTION,) * int(cfg["num_hidden_layers"]),
+            "sliding_window": sliding_window(arch, cfg),
             "raw": cfg,
         }
-        if arch == "Qwen3NextForCausalLM":
-            common.update(_qwen3_next(cfg, rope))
+        if arch in _GATED_DELTANET:
+            common.update(qwen3_next_fields(cfg, rope))
+        elif arch == "Qwen3MoeForCausalLM":
+            common["moe"] = qwen_moe(cfg, int(cfg["num_hidden_layers"]), shared=False)
         elif arch == "GraniteMoeHybridForCausalLM":
-            common.update(_granite_hybrid(cfg))
+            common.update(granite_hybrid_fields(cfg))
         return cls(**common)
 
     @classmethod
@@ -170,80 +172,6 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: invalid JSON ({exc})") from exc
         return cls.from_dict(cfg)
-
-
-def _qwen3_next(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    n = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = int(cfg.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    layer_types = tuple(GATED_DELTANET if t == "linear_attention" else ATTENTION for t in types)
-    num_experts = int(cfg.get("num_experts", 0) or 0)
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    sparse = tuple(num_experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(n))
-    moe = None
-    if any(sparse):
-        moe = MoEConfig(
-            num_experts=num_experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            sparse_layers=sparse,
-        )
-    return {
-        "layer_types": layer_types,
-        "norm_offset": True,
-        "attn_output_gate": True,
-        "partial_rotary_factor": float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
-        "gated_deltanet": GatedDeltaNetConfig(
-            num_key_heads=int(cfg["linear_num_key_heads"]),
-            num_value_heads=int(cfg["linear_num_value_heads"]),
-            key_head_dim=int(cfg["linear_key_head_dim"]),
-            value_head_dim=int(cfg["linear_value_head_dim"]),
-            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        ),
-        "moe": moe,
-    }
-
-
-def _granite_hybrid(cfg: dict[str, Any]) -> dict[str, Any]:
-    experts = int(cfg.get("num_local_experts", 0) or 0)
-    if experts > 0:
-        raise ValueError(
-            f"config.json: num_local_experts = {experts}: GraniteMoeHybrid with routed experts is not supported "
-            "(the dense form only: num_local_experts 0)"
-        )
-    n = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
-    layer_types = tuple(MAMBA2 if t in ("mamba", "linear_attention") else ATTENTION for t in types)
-    hidden = int(cfg["hidden_size"])
-    inner = int(cfg.get("mamba_expand", 2) * hidden)
-    heads = int(cfg["mamba_n_heads"])
-    d_head = cfg.get("mamba_d_head", "auto")
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
-    limit = tuple(float("inf") if isinstance(v, dict) else float(v) for v in limit)
-    return {
-        "layer_types": layer_types,
-        "intermediate_size": int(cfg["shared_intermediate_size"]),
-        "use_rope": cfg.get("position_embedding_type") == "rope",
-        "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
-        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
-        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
-        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
-        "mamba2": Mamba2Config(
-            num_heads=heads,
-            head_dim=inner // heads if d_head == "auto" else int(d_head),
-            state_size=int(cfg["mamba_d_state"]),
-            n_groups=int(cfg.get("mamba_n_groups", 1)),
-            conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-            conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-            proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-            time_step_limit=(limit[0], limit[1]),
-        ),
-    }
 
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -52,12 +52,16 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
         )
     torch_dtype = TORCH_DTYPES[dtype]
 
+    asked: set[str] = set()
+
     def get(name: str) -> torch.Tensor | None:
+        asked.add(name)
         t = tensors.get(name)
         return None if t is None else t.to(torch_dtype).contiguous().to(ops.device)
 
     max_positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     model = DecoderModel(cfg, get, ops, max_positions)
+    _refuse_unused(cfg, tensors, asked)
     extra = sorted(k for k in tensors if k.startswith("mtp."))
     mtp = {k: tensors[k] for k in extra}  # multi-token-prediction head, kept for speculative decoding
     return LoadedModel(
@@ -136,6 +140,19 @@ def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError(
                 f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies {shape}"
             )
+
+
+def _refuse_unused(cfg: ModelConfig, tensors: dict[str, torch.Tensor], asked: set[str]) -> None:
+    """A checkpoint tensor the model never asked for would be ignored (a vision tower, a bias the family does
+    not have, a layer past ``num_hidden_layers``): refuse it, naming it, rather than serve without it."""
+    # mtp.*: the speculative head, loaded when speculation asks for it; rotary tables: recomputed
+    unused = sorted(k for k in tensors if k not in asked and not k.startswith("mtp.") and "rotary_emb" not in k)
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise ValueError(
+            f"checkpoint: tensor {unused[0]!r}{more} is not used by {cfg.architecture} as config.json describes it; "
+            "kvwarden refuses to serve a checkpoint it would partly ignore"
+        )
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

@@ -18,8 +18,10 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvwarden.models.bundled import corpus_text
+from kvwarden.models.family_presets import FAMILIES, family_config
 from kvwarden.models.make_hybrid import Init, granite_config, granite_weights, qwen3_next_config, qwen3_next_weights
 from kvwarden.models.presets import ARCHS, PRESETS
+from kvwarden.models.random_weights import cut_layers, random_checkpoint
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -161,8 +163,6 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
         raise ValueError(f"--arch: unknown architecture {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"--preset: unknown preset {preset!r}; expected one of {PRESETS}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(VOCAB_SIZES[preset])
     vocab = EMBEDDING_ROWS.get(preset, tok.get_vocab_size(with_added_tokens=True))
     eos = tok.token_to_id("<|im_end|>")
@@ -171,13 +171,40 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
         cfg = qwen3_next_config(preset, vocab, eos, bos)
     elif arch == "granite_hybrid":
         cfg = granite_config(preset, vocab, eos, bos)
+    elif arch in FAMILIES:
+        cfg = family_config(arch, preset, vocab, eos, bos)
     else:
         cfg = hf_config(arch, PRESET_TABLE[(arch, "small" if preset == "compat" else preset)], vocab, eos, bos)
-    weights = random_weights(cfg, seed)
+    weights = random_checkpoint(cfg, seed, torch.float32) if arch in FAMILIES else random_weights(cfg, seed)
     if preset in WEIGHT_DTYPES:
         dtype = WEIGHT_DTYPES[preset]
         weights = {k: v.to(dtype) for k, v in weights.items()}
         cfg["dtype"] = str(dtype).removeprefix("torch.")
+    return write_checkpoint(Path(out), cfg, weights, tok)
+
+
+def make_model_from_config(
+    config: dict[str, Any], out: str | Path, seed: int = 0, num_layers: int | None = None, dtype: str = "float32"
+) -> Path:
+    """A seeded random checkpoint of a published ``config.json``'s shapes (its first ``num_layers`` layers).
+
+    The tokenizer is kvwarden's small trained one (its ids fit any real vocabulary); the config keeps the
+    model's own vocabulary size and special-token ids, so the embedding and LM head have the real shapes.
+
+    Raises:
+        ValueError: the config names an architecture or feature kvwarden does not support.
+    """
+    cfg = cut_layers(config, num_layers) if num_layers else dict(config)
+    cfg["dtype"] = dtype
+    tok = train_tokenizer(VOCAB_SIZES["tiny"])
+    weights = random_checkpoint(cfg, seed, getattr(torch, dtype))
+    return write_checkpoint(Path(out), cfg, weights, tok)
+
+
+def write_checkpoint(out: Path, cfg: dict[str, Any], weights: dict[str, torch.Tensor], tok: Backend) -> Path:
+    """config.json, model.safetensors, the tokenizer files and generation_config.json under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, bos]})

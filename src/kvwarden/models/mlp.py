@@ -12,15 +12,18 @@ from kvwarden.models.config import ModelConfig
 class MLP:
     """``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, get: WeightGetter, prefix: str, ops: Ops) -> None:
+    def __init__(self, get: WeightGetter, prefix: str, ops: Ops, bias: bool = False) -> None:
+        """``bias``: the config's ``mlp_bias`` (biases are read only when announced; see AttentionBlock)."""
         self.ops = ops
         gate, up = require(get, f"{prefix}.gate_proj.weight"), require(get, f"{prefix}.up_proj.weight")
+
+        def b(name: str) -> torch.Tensor | None:
+            return require(get, f"{prefix}.{name}.bias") if bias else None
+
         # One GEMM for gate and up (the shape of the fused weight alone picks its tiles).
-        self.w_gate_up, self.b_gate_up = fuse(
-            [gate, up], [get(f"{prefix}.gate_proj.bias"), get(f"{prefix}.up_proj.bias")]
-        )
+        self.w_gate_up, self.b_gate_up = fuse([gate, up], [b("gate_proj"), b("up_proj")])
         self.inter = gate.shape[0]
-        self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), get(f"{prefix}.down_proj.bias")
+        self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), b("down_proj")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops = self.ops
@@ -42,7 +45,11 @@ class GraniteMLP:
 
 
 class SparseMoE:
-    """Qwen3-Next MoE: softmax router, top-k experts, plus a sigmoid-gated shared expert.
+    """Sparse MoE: a router, top-k experts (SwiGLU), and a shared expert (Qwen3-Next: sigmoid-gated;
+    Granite: its ``shared_mlp``, ungated; Qwen3-MoE: none).
+
+    Routing follows the family (``MoEConfig.routing``): Qwen takes the softmax over every expert, then
+    the top k (renormalised when ``norm_topk_prob``); Granite the top k logits, then their softmax.
 
     NOTE(invariance): every expert GEMM goes through the row-tiled linear (a
     row's bits do not depend on which other tokens chose the expert), and a
@@ -57,46 +64,72 @@ class SparseMoE:
     def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
         assert cfg.moe is not None
         self.moe, self.ops = cfg.moe, ops
-        self.router = require(get, f"{prefix}.gate.weight")
-        experts = [MLP(get, f"{prefix}.experts.{e}", ops) for e in range(cfg.moe.num_experts)]
-        self.on_device = ops.device_moe and all(e.b_gate_up is None and e.b_down is None for e in experts)
-        if self.on_device:  # stacked [E, 2I, H] and [E, H, I]; the per-expert copies are dropped
-            self.w_gate_up = torch.stack([e.w_gate_up for e in experts])
-            self.w_down = torch.stack([e.w_down for e in experts])
-            experts = []
-        self.experts = experts
-        self.shared = MLP(get, f"{prefix}.shared_expert", ops) if cfg.moe.shared_intermediate_size else None
-        self.shared_gate = get(f"{prefix}.shared_expert_gate.weight")
+        self.topk_first = cfg.moe.routing == "topk_softmax"
+        self.shared_gate: torch.Tensor | None = None
+        self.shared: MLP | GraniteMLP | None = None
+        if cfg.architecture == "GraniteMoeHybridForCausalLM":  # stacked experts in the checkpoint
+            moe = f"{prefix}.block_sparse_moe"
+            self.router = require(get, f"{moe}.router.layer.weight")
+            w_gate_up = require(get, f"{moe}.input_linear.weight")  # [E, 2I, H]: gate rows, then up rows
+            w_down = require(get, f"{moe}.output_linear.weight")  # [E, H, I]
+            self.shared = GraniteMLP(get, f"{prefix}.shared_mlp", ops)
+        else:
+            mlp = f"{prefix}.mlp"
+            self.router = require(get, f"{mlp}.gate.weight")
+            experts = [MLP(get, f"{mlp}.experts.{e}", ops) for e in range(cfg.moe.num_experts)]
+            w_gate_up = torch.stack([e.w_gate_up for e in experts])
+            w_down = torch.stack([e.w_down for e in experts])
+            del experts
+            if cfg.moe.shared_intermediate_size:
+                self.shared = MLP(get, f"{mlp}.shared_expert", ops)
+                self.shared_gate = get(f"{mlp}.shared_expert_gate.weight")
+        self.w_gate_up, self.w_down = w_gate_up, w_down
+        self.inter = w_gate_up.shape[1] // 2
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops, k = self.ops, self.moe.top_k
-        rows = h.shape[0]
-        if self.on_device:  # one kernel routes, one sort and one kernel dispatch, two run the experts
-            weights, chosen = ops.moe_route(ops.linear(h, self.router), k, self.moe.norm_topk_prob, h.dtype)  # type: ignore[attr-defined]
+        if ops.device_moe:  # one kernel routes, one sort and one kernel dispatch, two run the experts
+            weights, chosen = ops.moe_route(  # type: ignore[attr-defined]
+                ops.linear(h, self.router), k, self.moe.norm_topk_prob, h.dtype, self.topk_first
+            )
             per_rank = ops.moe_experts(h, chosen, weights, self.w_gate_up, self.w_down)  # type: ignore[attr-defined]
-            shared = self.shared(h) if self.shared is not None else None
-            gate = ops.linear(h, self.shared_gate) if shared is not None and self.shared_gate is not None else None
+        else:
+            weights, chosen = self._route(h)
+            per_rank = self._experts(h, weights, chosen)
+        shared = self.shared(h) if self.shared is not None else None
+        gate = ops.linear(h, self.shared_gate) if shared is not None and self.shared_gate is not None else None
+        if ops.device_moe:
             return ops.moe_combine(per_rank, shared, gate)  # type: ignore[attr-defined]
-        logits = ops.linear(h, self.router).float()
-        probs = ops.softmax_rows(logits)
-        weights, chosen = ops.topk_rows(probs, k)
-        if self.moe.norm_topk_prob:
-            weights = weights / ops.sum_rows(weights)
-        weights = weights.to(h.dtype)
-        per_rank = h.new_zeros((rows, k, h.shape[1]))
-        for e in torch.unique(chosen).tolist():
-            token, rank = torch.where(chosen == e)
-            out = self.experts[e](h[token])
-            per_rank[token, rank] = out * weights[token, rank].unsqueeze(-1)
         combined = per_rank[:, 0]
         for r in range(1, k):
             combined = combined + per_rank[:, r]
-        if self.shared is not None:
-            shared = self.shared(h)
-            if self.shared_gate is not None:
-                shared = shared * ops.sigmoid(ops.linear(h, self.shared_gate))
-            combined = combined + shared
+        if shared is not None:
+            combined = combined + (shared * ops.sigmoid(gate) if gate is not None else shared)
         return combined
+
+    def _route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [rows, k]`` in the model dtype, ``chosen [rows, k])`` on the CPU."""
+        ops, k = self.ops, self.moe.top_k
+        logits = ops.linear(h, self.router).float()
+        if self.topk_first:
+            top, chosen = ops.topk_rows(logits, k)
+            weights = ops.softmax_rows(top)
+        else:
+            weights, chosen = ops.topk_rows(ops.softmax_rows(logits), k)
+            if self.moe.norm_topk_prob:
+                weights = weights / ops.sum_rows(weights)
+        return weights.to(h.dtype), chosen
+
+    def _experts(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``[rows, k, H]``: each (token, rank) through its expert, times its weight (experts walked on the host)."""
+        ops = self.ops
+        per_rank = h.new_zeros((h.shape[0], self.moe.top_k, h.shape[1]))
+        for e in torch.unique(chosen).tolist():
+            token, rank = torch.where(chosen == e)
+            gate, up = ops.linear(h[token], self.w_gate_up[e]).split(self.inter, dim=-1)
+            out = ops.linear(ops.silu_mul(gate, up), self.w_down[e])
+            per_rank[token, rank] = out * weights[token, rank].unsqueeze(-1)
+        return per_rank
 
 
 def build_ffn(
@@ -106,8 +139,8 @@ def build_ffn(
     the model is)."""
     extra = prefix is not None and not prefix.startswith("model.layers.")
     prefix = prefix or f"model.layers.{index}"
+    if cfg.moe is not None and (extra or cfg.moe.sparse_layers[index]):
+        return SparseMoE(cfg, get, prefix, ops)
     if cfg.architecture == "GraniteMoeHybridForCausalLM":
         return GraniteMLP(get, f"{prefix}.shared_mlp", ops)
-    if cfg.moe is not None and (extra or cfg.moe.sparse_layers[index]):
-        return SparseMoE(cfg, get, f"{prefix}.mlp", ops)
-    return MLP(get, f"{prefix}.mlp", ops)
+    return MLP(get, f"{prefix}.mlp", ops, bias=cfg.mlp_bias)

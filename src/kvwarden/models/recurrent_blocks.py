@@ -22,7 +22,7 @@ from kvwarden.layers.chunked_scan import canonical_scan, recurrent_scan, vendor_
 from kvwarden.layers.conv1d import causal_conv1d, shape_dependent_conv1d
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
-from kvwarden.models.config import ModelConfig
+from kvwarden.models.config import GatedDeltaNetConfig, ModelConfig
 from kvwarden.models.recurrent_batched import boundary_windows, conv_columns, stage_captures, trace_states_in
 
 
@@ -95,8 +95,11 @@ class GatedDeltaNetBlock(_RecurrentBlock):
     def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
         assert cfg.gated_deltanet is not None
         self.g, self.ops, self.eps = cfg.gated_deltanet, ops, cfg.rms_norm_eps
-        self.w_qkvz = require(get, f"{prefix}.in_proj_qkvz.weight")
-        self.w_ba = require(get, f"{prefix}.in_proj_ba.weight")
+        if get(f"{prefix}.in_proj_qkv.weight") is not None:  # Qwen3.5: four separate projections
+            self.w_qkvz, self.w_ba = _fuse_qwen3_5(get, prefix, cfg.gated_deltanet)
+        else:
+            self.w_qkvz = require(get, f"{prefix}.in_proj_qkvz.weight")
+            self.w_ba = require(get, f"{prefix}.in_proj_ba.weight")
         self.conv_w = require(get, f"{prefix}.conv1d.weight").squeeze(1)
         self.conv_b = get(f"{prefix}.conv1d.bias")
         self.dt_bias = require(get, f"{prefix}.dt_bias").float()
@@ -296,6 +299,21 @@ class Mamba2Block(_RecurrentBlock):
             x.transpose(0, 1), dt.t(), self.a, b.transpose(0, 1), c.transpose(0, 1), self.d, state, capture_after
         )
         return y.reshape(rows.shape[0], -1), caps
+
+
+def _fuse_qwen3_5(get: WeightGetter, prefix: str, g: GatedDeltaNetConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` as Qwen3-Next's two fused
+    projections: per key head ``q | k | v | z`` (its ``rep`` value heads) and ``b | a``. Rows are only
+    reordered: each output column is the same dot product as in the separate projections."""
+    hk, dk, dv = g.num_key_heads, g.key_head_dim, g.value_head_dim
+    rep = g.num_value_heads // hk
+    qkv, z = require(get, f"{prefix}.in_proj_qkv.weight"), require(get, f"{prefix}.in_proj_z.weight")
+    b, a = require(get, f"{prefix}.in_proj_b.weight"), require(get, f"{prefix}.in_proj_a.weight")
+    q, k, v = qkv.split([hk * dk, hk * dk, g.num_value_heads * dv])
+    qkvz = [part for h in range(hk) for part in (q.view(hk, dk, -1)[h], k.view(hk, dk, -1)[h],
+            v.view(hk, rep * dv, -1)[h], z.view(hk, rep * dv, -1)[h])]  # fmt: skip
+    ba = [part for h in range(hk) for part in (b.view(hk, rep, -1)[h], a.view(hk, rep, -1)[h])]
+    return torch.cat(qkvz).contiguous(), torch.cat(ba).contiguous()
 
 
 def _l2norm(x: torch.Tensor, ops: Ops) -> torch.Tensor:

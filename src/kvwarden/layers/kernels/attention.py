@@ -6,8 +6,11 @@ was chunked:
 
 * Query tiles are aligned to absolute positions: tile ``p // BLOCK_Q``, slot
   ``p % BLOCK_Q``. The ``REP`` query heads sharing a KV head are rows of the
-  same tile (GQA without copying K/V). A decode step of position ``p`` lands in
-  the same slot of the same-shaped tile as the prefill of ``p`` would.
+  same tile (GQA without copying K/V), each position's group padded to ``RP``
+  rows (``REP`` rounded up to a power of two: Triton's tiles are powers of two,
+  and GQA ratios of 3, 5, 6 or 7 are common); padding rows are masked queries,
+  exact no-ops like rows past a request's end. A decode step of position ``p``
+  lands in the same slot of the same-shaped tile as the prefill of ``p`` would.
 * Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0, and
   grouped into splits of ``SPLIT`` keys at fixed absolute boundaries
   (0, SPLIT, 2*SPLIT, ...). Each split keeps its own online-softmax state
@@ -150,19 +153,21 @@ def _merge(m_t, l_t, acc_t, m_s, l_s, acc_s):
 @triton.jit
 def _tile_rows(
     tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh,
-    HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr, M: tl.constexpr,
 ):  # fmt: skip
     """A query tile's request, positions, validity and visible key count, and where its ``[M, BLOCK_D]``
-    block of q (and of the output) lies: offsets and mask."""
+    block of q (and of the output) lies: offsets and mask. Row ``m`` is position ``m // RP``'s query head
+    ``kvh * REP + m % RP``; rows with ``m % RP >= REP`` pad the group to a power of two and are invalid."""
     seq = tl.load(tile_seq + tile)
     pos0 = tl.load(tile_pos0 + tile)
     row0 = tl.load(seq_row0 + seq)
     start = tl.load(seq_start + seq)
     nq = tl.load(seq_nq + seq)
     m_idx = tl.arange(0, M)
-    qpos = pos0 + m_idx // REP
-    head = kvh * REP + m_idx % REP
-    qvalid = (qpos >= start) & (qpos < start + nq)
+    qpos = pos0 + m_idx // RP
+    head = kvh * REP + m_idx % RP
+    qvalid = (qpos >= start) & (qpos < start + nq) & (m_idx % RP < REP)
     rows = row0 + qpos - start
     kmax = tl.minimum(pos0 + BQ, start + nq)  # keys any row of this tile can see: [0, kmax)
     d = tl.arange(0, BLOCK_D)
@@ -174,15 +179,15 @@ def _tile_rows(
 @triton.jit(do_not_specialize=["MAXB", "BS"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seq_row0, seq_start, seq_nq, tables, tile_seq, tile_pos0, MAXB, BS, scale,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr,
-    BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, KV head): every split in turn, folded as it finishes."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    M: tl.constexpr = BQ * REP
+    M: tl.constexpr = BQ * RP
     seq, qpos, qvalid, kmax, q_off, q_mask = _tile_rows(
-        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, BLOCK_D, BQ, M
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, RP, BLOCK_D, BQ, M
     )
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     m_t = tl.full((M,), float("-inf"), tl.float32)
@@ -202,16 +207,16 @@ def _attention_kernel(
 def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, seq_row0, seq_start, seq_nq, tables, tile_seq, tile_pos0,
     MAXB, BS, NSPLIT, scale,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr,
-    BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, KV head, split): the split's state, stored for the fold."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    M: tl.constexpr = BQ * REP
+    M: tl.constexpr = BQ * RP
     seq, qpos, qvalid, kmax, q_off, q_mask = _tile_rows(
-        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, BLOCK_D, BQ, M
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, RP, BLOCK_D, BQ, M
     )
     split0 = split * SPLIT_
     if split0 < kmax:  # splits past the tile's keys do not exist (the fold stops before them)
@@ -230,15 +235,15 @@ def _attention_split_kernel(
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _attention_fold_kernel(
     o_ptr, m_ptr, l_ptr, acc_ptr, seq_row0, seq_start, seq_nq, tile_seq, tile_pos0, NSPLIT,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_D: tl.constexpr,
-    BQ: tl.constexpr, SPLIT_: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_D: tl.constexpr, BQ: tl.constexpr, SPLIT_: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, KV head): the stored split states folded in split order."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    M: tl.constexpr = BQ * REP
+    M: tl.constexpr = BQ * RP
     _seq, _qpos, _qvalid, kmax, q_off, q_mask = _tile_rows(
-        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, BLOCK_D, BQ, M
+        tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, RP, BLOCK_D, BQ, M
     )
     d = tl.arange(0, BLOCK_D)
     m_idx = tl.arange(0, M)
@@ -279,8 +284,9 @@ def paged_attention(
     if rows == 0 or tiles == 0:
         return out
     rep = hq // hkv
+    rp = triton.next_power_of_2(rep)  # a position's query heads padded to a power of two (tile shapes)
     block_d = max(16, triton.next_power_of_2(d))
-    const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, BLOCK_D=block_d, BQ=BLOCK_Q)
+    const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=BLOCK_Q)
     ieee = q.dtype == torch.float32
     nsplit = -(-meta.max_keys // SPLIT) if meta.max_keys else 0
     if parallel_splits is None:
@@ -293,7 +299,7 @@ def paged_attention(
             **const, BN=BLOCK_N, SPLIT_=SPLIT, IEEE=ieee, num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
-    m = BLOCK_Q * rep
+    m = BLOCK_Q * rp
     m_buf = torch.empty((tiles * hkv * nsplit * m,), dtype=torch.float32, device=q.device)
     l_buf = torch.empty_like(m_buf)
     acc_buf = torch.empty((tiles * hkv * nsplit * m, block_d), dtype=torch.float32, device=q.device)

@@ -163,15 +163,18 @@ def _combine_kernel(
 
 @triton.jit(do_not_specialize=["rows"])
 def _route_kernel(
-    logits_ptr, weights_ptr, chosen_ptr, rows, E, TOPK: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr,
-    BK: tl.constexpr,
+    logits_ptr, weights_ptr, chosen_ptr, rows, E, TOPK: tl.constexpr, NORM: tl.constexpr, TOPK_FIRST: tl.constexpr,
+    BE: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BE)
     mask = cols < E
     x = tl.load(logits_ptr + r * E + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    e = tl.where(mask, tl.exp(x - tl.max(x, axis=0)), 0.0)  # softmax as kernels/rows.py computes it
-    p = tl.where(mask, e / tl.sum(e, axis=0), -1.0)
+    if TOPK_FIRST:  # Granite: the k largest logits, then a softmax over them
+        p = tl.where(mask, x, float("-inf"))
+    else:  # Qwen: the softmax over every expert (as kernels/rows.py computes it), then the k largest
+        e = tl.where(mask, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        p = tl.where(mask, e / tl.sum(e, axis=0), -1.0)
     kk = tl.arange(0, BK)
     picked = tl.zeros((BK,), dtype=tl.float32)
     for i in tl.static_range(TOPK):
@@ -179,15 +182,21 @@ def _route_kernel(
         idx = tl.min(tl.where(p == best, cols, BE), axis=0)  # ties: the lowest expert index
         tl.store(chosen_ptr + r * TOPK + i, idx.to(tl.int64))
         picked = tl.where(kk == i, best, picked)
-        p = tl.where(cols == idx, -2.0, p)
-    if NORM:
+        p = tl.where(cols == idx, float("-inf") if TOPK_FIRST else -2.0, p)
+    if TOPK_FIRST:
+        top = tl.where(kk < TOPK, picked, float("-inf"))
+        ex = tl.where(kk < TOPK, tl.exp(top - tl.max(top, axis=0)), 0.0)
+        picked = ex / tl.sum(ex, axis=0)
+    elif NORM:
         picked = picked / tl.sum(picked, axis=0)
     tl.store(weights_ptr + r * TOPK + kk, picked.to(weights_ptr.dtype.element_ty), mask=kk < TOPK)
 
 
-def route(logits: torch.Tensor, topk: int, normalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [rows, k]`` in ``dtype``, ``chosen [rows, k]`` int64): softmax, top-k (ties to the lowest
-    index), renormalised when ``normalize``."""
+def route(
+    logits: torch.Tensor, topk: int, normalize: bool, dtype: torch.dtype, topk_first: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [rows, k]`` in ``dtype``, ``chosen [rows, k]`` int64), ties to the lowest index: softmax then
+    top-k (renormalised when ``normalize``), or with ``topk_first`` the top-k logits then their softmax."""
     rows, e = logits.shape
     weights = torch.empty((rows, topk), dtype=dtype, device=logits.device)
     chosen = torch.empty((rows, topk), dtype=torch.int64, device=logits.device)
@@ -195,7 +204,8 @@ def route(logits: torch.Tensor, topk: int, normalize: bool, dtype: torch.dtype) 
         be = max(16, triton.next_power_of_2(e))
         _route_kernel[(rows,)](
             logits.contiguous(), weights, chosen, rows, e,
-            TOPK=topk, NORM=normalize, BE=be, BK=max(2, triton.next_power_of_2(topk)), num_warps=4 if be >= 1024 else 1,
+            TOPK=topk, NORM=normalize, TOPK_FIRST=topk_first, BE=be, BK=max(2, triton.next_power_of_2(topk)),
+            num_warps=4 if be >= 1024 else 1,
         )  # fmt: skip
     return weights, chosen
 

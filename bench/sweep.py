@@ -1,0 +1,77 @@
+"""The sweep over published model configurations (bench/configs/): load, agreement, invariance subset.
+
+Each configuration, cut to its first layers (a hybrid keeps both layer kinds),
+becomes a random checkpoint of its exact shapes; kvwarden loads it, agrees with
+transformers on greedy continuations (tokens and top-20 logprobs) and keeps a
+few invariance properties bitwise - or refuses it at load, naming the field.
+Prints the table of docs/models.md and ends with one JSON line.
+
+    python bench/sweep.py                                   # CPU, float32 (the CI test runs the same checks)
+    python bench/sweep.py --device cuda --dtype bfloat16 --tol 0.25   # on a GPU (scripts/gpu_check.sh sweep)
+    python bench/sweep.py --only qwen3-14b --only mistral-7b-v0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="compute dtype of both engines")
+    p.add_argument("--weights-dtype", default="bfloat16", help="dtype of the written checkpoints")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--large-prompts", type=int, default=2, help="prompts for hidden sizes of 3072 and up")
+    p.add_argument("--max-experts", type=int, default=0, help="cap a MoE's expert count (0: none)")
+    p.add_argument("--tol", type=float, default=1e-3, help="max |Δ logprob| over likely tokens")
+    p.add_argument("--only", action="append", help="config name (repeatable)")
+    args = p.parse_args()
+    import torch
+
+    from kvwarden.bench.real_configs import sweep_config
+
+    torch.set_num_threads(torch.get_num_threads())
+    names = args.only or sorted(f.stem for f in CONFIGS.glob("*.json"))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            config = json.loads((CONFIGS / f"{name}.json").read_text())
+            large = int(config.get("hidden_size", 0)) >= 3072
+            row = sweep_config(
+                name, config, Path(tmp), layers=args.layers, prompts=args.large_prompts if large else args.prompts,
+                tokens=args.tokens, device=args.device, dtype=args.dtype, weights_dtype=args.weights_dtype,
+                max_experts=args.max_experts or None, tol=args.tol,
+            )  # fmt: skip
+            print(f"[sweep] {name}: {row.status} ({row.seconds:.0f} s) {row.detail}", file=sys.stderr, flush=True)
+            rows.append(row)
+    print(f"\nSweep ({args.device}, {args.dtype}, first {args.layers} layers, {args.tokens} greedy tokens):")
+    print(
+        "| configuration | architecture | shape | result | greedy equal | max \\|Δ\\| likely / top-20 | invariance "
+        "| s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        inv = " ".join(f"{k}:{'same' if v else 'DIFF'}" for k, v in r.invariance.items()) or "-"
+        result = r.status if r.status != "refused" else f"refused: {r.detail}"
+        eq = f"{r.greedy_equal}/{r.prompts}" if r.prompts else "-"
+        print(
+            f"| {r.name} | {r.architecture} | {r.shape} | {result} | {eq} "
+            f"| {r.max_dlogprob_likely:.1e} / {r.max_dlogprob_top20:.1e} | {inv} "
+            f"| {r.seconds:.0f} |"
+        )
+    print(json.dumps({"bench": "sweep", "device": args.device, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}))
+    return 0 if all(r.status in ("agrees", "refused") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
