@@ -89,3 +89,23 @@ def test_bad_flag_values_name_the_flag() -> None:
     assert done.returncode == 2 and "--threads" in done.stderr and "must be >= 1" in done.stderr
     done = _run("generate", "no/such/model", "--prompt", "x")
     assert done.returncode == 2 and "no/such/model" in done.stderr and "Traceback" not in done.stderr
+    # the program names its command (a command's own --command flag once overwrote the name: "kvwarden None")
+    done = _run("probe", "--scenario", "contamnation", "--launcher", "kvwarden", "--model", "builtin:llama-tiny")
+    assert done.returncode == 2 and done.stderr.startswith("kvwarden probe: error: --scenario"), done.stderr
+    assert "did you mean 'contamination'" in done.stderr and "batch, budget, spec, repeat" in done.stderr
+    done = _run("probe", "--repeats", "1", "--launcher", "kvwarden", "--model", "builtin:llama-tiny")
+    assert done.returncode == 2 and "kvwarden probe: error: --repeats must be >= 2" in done.stderr, done.stderr
+
+
+def test_make_model_from_a_published_config(tmp_path: Path) -> None:
+    config = Path(__file__).resolve().parent.parent / "bench" / "configs" / "smollm2-135m.json"
+    done = _run("make-model", "--config", str(config), "--num-layers", "2", "--out", str(tmp_path / "m"))
+    assert done.returncode == 0, done.stderr
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 576 and cfg["vocab_size"] == 49152
+    done = _run("make-model", "--config", str(config), "--arch", "llama", "--out", str(tmp_path / "x"))
+    assert done.returncode == 2 and "--config: replaces --arch" in done.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"architectures": ["PhiForCausalLM"], "num_hidden_layers": 2}))
+    done = _run("make-model", "--config", str(bad), "--out", str(tmp_path / "y"))
+    assert done.returncode == 2 and "PhiForCausalLM" in done.stderr and "Traceback" not in done.stderr

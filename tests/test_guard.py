@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -242,3 +243,37 @@ def test_the_guard_checks_its_own_clients(backends: dict[str, Server], tmp_path:
         resp = httpx.post(f"{g.url}/v1/completions", json=big, headers=key, timeout=60)
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
         assert httpx.get(f"{g.url}/health", timeout=10).status_code == 200  # health and metrics stay open
+        # a misspelt field is refused by the guard itself (a backend such as vLLM would ignore it), named
+        for name in ("max_token", "temprature"):
+            resp = httpx.post(f"{g.url}/v1/completions", json={**body, name: 1}, headers=key, timeout=60)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == name, resp.text
+        # fields some backends support and kvwarden does not pass through to be answered there
+        resp = httpx.post(f"{g.url}/v1/completions", json={**body, "min_p": 0.1}, headers=key, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_p", resp.text
+        resp = httpx.post(f"{g.url}/v1/completions", content=b'{"model": ', headers=key, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["message"].startswith("malformed JSON body")
+        # every request is one log line with its id and status, the guard's own refusals included
+        time.sleep(0.3)
+        lines = [line for line in g.log if "/v1/completions" in line]
+        assert any(re.search(r"guard-[0-9a-f]{12} /v1/completions: 400, refused: Unrecognized", x) for x in lines)
+        assert any(re.search(r"guard-[0-9a-f]{12} /v1/completions json: 200, ", x) for x in lines), lines
+        assert any(re.search(r": 400, \S+: 400, passed through", x) for x in lines), lines  # min_p: the backend's
+        assert any("400, refused: malformed JSON body" in x for x in lines)
+        # Prometheus series exist at 0 before their first event
+        metrics = httpx.get(f"{g.url}/metrics", timeout=10).text
+        for reason in ("acceptance", "repetition", "garbage"):
+            assert f'kvwarden_guard:aborts_total{{reason="{reason}"}} 0.0' in metrics
+        clean = backends["clean"].url
+        assert f'kvwarden_guard:backend_failures_total{{backend="{clean}"}} 0.0' in metrics
+
+
+def test_a_non_streaming_answer_through_the_guard_is_the_backends_field_for_field(backends: dict[str, Server]) -> None:
+    """stop_reason kept, text_offset absolute (the guard assembles the backend's stream)."""
+    with running_guard([backends["clean"].url], "--canary-interval", "0") as g:
+        body = {"model": "tiny", "prompt": "The cat", "max_tokens": 8, "logprobs": 2, "temperature": 0.0}
+        direct = httpx.post(f"{backends['clean'].url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        guarded = httpx.post(f"{g.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert "stop_reason" in guarded and guarded["stop_reason"] == direct["stop_reason"]
+        assert guarded["logprobs"]["text_offset"] == direct["logprobs"]["text_offset"]
+        assert guarded["logprobs"]["text_offset"] == sorted(guarded["logprobs"]["text_offset"])
+        assert guarded["text"] == direct["text"]

@@ -237,3 +237,24 @@ def test_cli_spec_scenario_on_kvwarden_with_mtp_is_stable_and_equal_to_speculati
     assert arms["spec-off"]["stable"] and arms["spec-on"]["stable"]
     assert set(arms["spec-off"]["fingerprints"]) == set(arms["spec-on"]["fingerprints"])
     assert all(summary["cross_arm"].values()), summary["cross_arm"]
+
+
+def test_probe_url_counts_lengths_in_tokens_through_the_servers_tokenize(tmp_path: Path, hybrid: Path) -> None:
+    """Without a local tokenizer, ``--url`` asks the server's /tokenize: B is exactly --b-len tokens. A server
+    without /tokenize (the guard here) gets a loud warning that the lengths are words."""
+    from server_util import running_guard, running_server
+
+    with running_server(str(hybrid), "--served-model-name", "m") as s:
+        args = ["--url", s.url, "--served-model-name", "m", "--scenario", "repeat", "--repeats", "2", "--b-len", "44"]
+        done = _probe(args, tmp_path / "tok")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"tokens (the server's {s.url}/tokenize)" in done.stdout
+        records = RecordLog(tmp_path / "tok" / "records.jsonl").read()
+        assert {r["prompt_tokens"] for r in records if r["type"] == "response"} == {44}
+        report = (tmp_path / "tok" / "report.html").read_text()
+        assert "STABLE" in report and "a running server (--url)" in report and "B 44" in report
+        assert "each run isolated by its own cache_salt" in report and not (tmp_path / "tok" / "plotly.min.js").exists()
+        with running_guard([s.url], "--canary-interval", "0") as g:
+            args[1] = g.url
+            done = _probe(args, tmp_path / "words")
+            assert "/tokenize did not answer" in done.stderr and "WORDS" in done.stdout

@@ -133,6 +133,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(llama_tiny: Path) -> 
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert len(chunks) > 2, "the request was still streaming when SIGTERM came"
         assert s.process.wait(timeout=30) == 0
+        time.sleep(0.2)  # the log reader thread catches up with the last lines
+        assert any("kvwarden serve: stopped after" in line and "drained" in line for line in s.log), s.log[-5:]
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{s.url}/health", timeout=2)
 

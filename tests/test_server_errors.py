@@ -89,6 +89,15 @@ CASES = [
     ("temperature negative", {"json": {**REFERENCE, "temperature": -1.0}}, 400, "temperature"),
     ("n too large", {"json": {**REFERENCE, "n": 1000}}, 400, "n"),
     ("unsupported penalty", {"json": {**REFERENCE, "presence_penalty": 0.5}}, 400, "presence_penalty"),
+    ("misspelt max_tokens", {"json": {**REFERENCE, "max_token": 3}}, 400, "max_token"),
+    ("misspelt temperature", {"json": {**REFERENCE, "temprature": 0}}, 400, "temprature"),
+    (
+        "unknown key inside stream_options",
+        {"json": {**REFERENCE, "stream": True, "stream_options": {"include_usage": True, "usage_every": 1}}},
+        400,
+        "stream_options.usage_every",
+    ),
+    ("vLLM field kvwarden lacks", {"json": {**REFERENCE, "min_p": 0.1}}, 400, "min_p"),
     ("oversized body", {"json": {**REFERENCE, "prompt": "x" * 30000}}, 413, None),
 ]
 
@@ -113,6 +122,33 @@ def test_bad_chat_requests(server: Server, reference: list) -> None:
     assert _error(httpx.post(url, json={**ok, "top_logprobs": 5}), 400)["param"] == "top_logprobs"
     assert _error(httpx.post(url, json={**ok, "logprobs": True, "top_logprobs": 50}), 400)["param"] == "top_logprobs"
     assert _error(httpx.post(url, json={**ok, "max_completion_tokens": -5}), 400)["param"] == "max_tokens"
+    typo = {**ok, "messages": [{"role": "user", "content": "hi", "nmae": "bob"}]}
+    assert _error(httpx.post(url, json=typo), 400)["param"] == "messages[0].nmae"
+    assert _error(httpx.post(url, json={**ok, "top_logprob": 3}), 400)["code"] == "unrecognized_argument"
+    assert fingerprint(server) == reference
+
+
+def test_fields_that_cannot_change_an_answer_are_accepted(server: Server, reference: list) -> None:
+    """OpenAI's bookkeeping fields (and an empty refusal echoed back from an earlier turn) are accepted;
+    the official client's extra_body reaches the server and a misspelt field comes back as BadRequestError."""
+    import openai
+
+    body = {**REFERENCE, "user": "u1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto"}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    chat = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": []},
+            {"role": "user", "content": "again"},
+        ],
+    }
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: max_token"):
+        client.completions.create(model="tiny", prompt="hi", extra_body={"max_token": 3})
     assert fingerprint(server) == reference
 
 
@@ -130,6 +166,10 @@ def test_api_key(llama_tiny: Path) -> None:
         good = {"Authorization": "Bearer s3cret"}
         assert httpx.post(f"{s.url}/v1/completions", json=body, headers=good, timeout=30).status_code == 200
         assert httpx.get(f"{s.url}/health").status_code == 200  # health and metrics stay open
+        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        for path, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
+            assert _error(httpx.post(f"{s.url}{path}", json=payload), 401)["code"] == "invalid_api_key"
+            assert httpx.post(f"{s.url}{path}", json=payload, headers=good).status_code == 200
 
 
 def test_full_queue_answers_503_and_serves_the_rest(llama_tiny: Path) -> None:
@@ -175,3 +215,16 @@ def test_after_fuzzing_the_server_is_up_and_unchanged(server: Server, reference:
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert fingerprint(server) == reference
     assert server.metrics()["kvwarden:kv_blocks_used"] == 0
+
+
+def test_twenty_logprobs_are_twenty_entries_keyed_by_token_id(server: Server) -> None:
+    """Keyed by text, byte-level tokens that decode to the same text (an incomplete UTF-8 character's
+    "\ufffd") collide and a top-20 list shows fewer entries (vLLM has the same flaw); keyed by token id,
+    never - which is how the probe and the guard's canary ask."""
+    body = {**REFERENCE, "prompt": "naïve café déjà vu", "max_tokens": 8}
+    tops = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    assert all(len(top) == 20 for top in tops["top_logprobs"])
+    assert all(key.startswith("token_id:") for top in tops["top_logprobs"] for key in top)
+    text_keyed = {**body, "return_tokens_as_token_ids": False}
+    tops = httpx.post(f"{server.url}/v1/completions", json=text_keyed, timeout=30).json()["choices"][0]["logprobs"]
+    assert all(len(top) <= 20 for top in tops["top_logprobs"])

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="kvwarden", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvwarden {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # dest "subcommand": a command's own --command flag (probe's launcher template) must not overwrite it
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     for module in (demo, cold_warm, generate, make_model, predict, probe, serve, guard, trace_divergence):
         module.register(sub)
     for command in sub.choices.values():
@@ -44,10 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"kvwarden {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvwarden {args.subcommand}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kvwarden {args.command}: interrupted", file=sys.stderr)
+        print(f"kvwarden {args.subcommand}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvwarden.commands.engine_args import add_engine_args
+from kvwarden.console import wide_console
 from kvwarden.models.bundled import documents, questions
 from kvwarden.probe.fingerprint import fingerprint
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwarden.commands.loading import load_llm
     from kvwarden.engine.sampling_params import SamplingParams
 
-    console = Console()
+    console = wide_console()
     if args.max_model_len is None:
         args.max_model_len = 2048
     console.print(f"[bold]kvwarden cold-warm[/bold] - model {args.model}, numerics {args.numerics}")

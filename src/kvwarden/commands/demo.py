@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvwarden.console import wide_console
+
 if TYPE_CHECKING:
     from kvwarden.probe.results import RunResult
 
@@ -75,13 +77,22 @@ def _says(result: RunResult) -> tuple[str, bool, bool]:
     stable, history = contamination_verdict(result.summaries)
     cont = result.arm("contaminated")
     if not stable:
-        text = f"B's runs after A differ from each other ({cont.identical}/{cont.runs} identical"
+        # which runs: those whose logprobs moved against run 1 (deltas are runs 2..N against run 1)
+        moved = [str(i) for i, d in enumerate(cont.deltas, start=2) if any(v != 0 for v in d)]
+        which = f"runs {', '.join(moved)} differ from run 1" if moved else f"{cont.identical}/{cont.runs} identical"
+        text = f"UNSTABLE: B's runs after A differ ({which}"
         text += f", first at generated token {cont.first_divergent_token})"
     elif history:
-        text = "B after A is repeatable but differs from B alone"
+        text = "repeatable, but B after A differs from B alone"
     else:
-        text = "every run of B, after A or alone, is bitwise identical"
+        text = "stable: every run of B, after A or alone, is bitwise identical"
     return text, stable, history
+
+
+def _coloured(text: str, stable: bool, history: bool) -> str:
+    """The observation in the verdict's colour (red unstable, yellow history-dependent, green stable)."""
+    colour = "red" if not stable else ("yellow" if history else "green")
+    return f"[{colour}]{escape(text)}[/{colour}]"
 
 
 def _predicted(stable: bool, history: bool) -> str:
@@ -101,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwarden.probe.results import finish_run
     from kvwarden.probe.runner import Target, run_probe
 
-    console = Console(highlight=False, width=None if Console().is_terminal else 120)
+    console = wide_console(highlight=False)
     start = time.perf_counter()
     model = str(resolve_model(args.model))
     tokenizer = Tokenizer.from_dir(model)
@@ -142,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
         if any(s.error for s in result.summaries):
             console.print("  [red]an arm failed: see its log under[/red] " + str(run_dir / "logs"))
             continue
-        text, _, _ = _says(result)
-        console.print(f"  observed: {escape(text)}")
+        console.print(f"  observed: {_coloured(*_says(result))}")
         if isinstance(result.check, CacheCheck):
             c = result.check
             console.print(
@@ -212,7 +222,8 @@ def _summary(console: Console, results: list[tuple[Config, RunResult]]) -> bool:
         all_ok &= ok
         predicted = _predicted(check.predicted_repeats_stable, check.predicted_history_dependent)
         cached = " ".join(str(c) for c in result.arm("contaminated").cached_tokens)
-        table.add_row(cfg.label, predicted, text, cached, "[green]yes[/green]" if ok else "[red]NO[/red]")
+        observed = _coloured(text, stable, history)
+        table.add_row(cfg.label, predicted, observed, cached, "[green]yes[/green]" if ok else "[red]NO[/red]")
     console.print()
     console.print(table)
     return all_ok

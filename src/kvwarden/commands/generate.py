@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvwarden.commands.engine_args import add_engine_args
+from kvwarden.console import wide_console
 
 if TYPE_CHECKING:
     from kvwarden.engine.outputs import RequestOutput
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         logprobs=args.logprobs,
     )
-    out_console = Console(highlight=False)
+    out_console = wide_console(highlight=False)
     llm = load_llm(args, Console(stderr=True, highlight=False, soft_wrap=True), "kvwarden generate")
     prompts = args.prompt
     if args.chat:

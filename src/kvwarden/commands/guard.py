@@ -21,6 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "guard",
         help="proxy and load balancer that stops and retries bad generations (acceptance, loops, garbage)",
+        description=(
+            "An OpenAI-compatible proxy in front of one or more servers (kvwarden, vLLM, SGLang, llama.cpp): it "
+            "watches every generation as it streams (speculative acceptance, repetition, garbage), aborts and "
+            "retries the bad ones on another backend before the client sees them, and replays a determinism "
+            "canary. Flags override --config guard.toml; docs/guard.md describes every key."
+        ),
     )
     p.add_argument(
         "--backend",
@@ -54,7 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokens held before a streaming client sees the first one (default: the monitors' minimum, 128)",
     )
-    p.add_argument("--canary-interval", type=float, default=None, help="seconds between canary replays (0 = off)")
+    p.add_argument(
+        "--canary-interval",
+        type=float,
+        default=None,
+        help="seconds between canary replays (0 = off; default: the config's, else 60)",
+    )
     p.add_argument("--api-key", default=None, help="sent to the backends as 'Authorization: Bearer KEY'")
     p.add_argument("--client-api-key", default=None, help="require 'Authorization: Bearer KEY' from clients on /v1/*")
     p.add_argument(

@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--rule",
         choices=RULES,
         required=True,
-        help="vllm-align: vLLM's hybrid align mode; vllm-align-fixed: its one-line fix; vllm: dense chunked prefill",
+        help="vllm-align: vLLM's hybrid align mode; vllm-align-fixed: its one-line fix; vllm: dense chunked prefill; "
+        "kvwarden: kvwarden's own rule (states at every boundary, position-fixed numerics: no pair mixes provenance)",
     )
     p.add_argument(
         "--block-size",
@@ -97,9 +98,7 @@ def run(args: argparse.Namespace) -> int:
         )
         out = pred.to_dict()
         if args.search:
-            flips = search_a_lengths(
-                args.rule, args.block_size, b_len, shared, args.num_spec_tokens, args.max_num_batched_tokens
-            )
+            flips = _search(args, b_len, shared)
             out["search"] = [
                 {"a_from": f, "a_to": t, "repeats_stable": s, "history_dependent": h} for f, t, s, h in flips
             ]
@@ -121,3 +120,21 @@ def run(args: argparse.Namespace) -> int:
                 f"{'history-dependent' if flip['history_dependent'] else 'history-independent'}"
             )
     return 0
+
+
+def _search(args: argparse.Namespace, b_len: int, shared: int) -> list[tuple[int, int, bool, bool]]:
+    """The A-length search with a progress bar on stderr (it simulates the scheduler once per A length)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    lo, hi = max(shared, 1), shared + 3 * args.block_size
+    with Progress(console=Console(stderr=True), transient=True, disable=args.json) as bar:
+        task = bar.add_task(f"searching A lengths {lo}..{hi} (B={b_len}, shared={shared})", total=hi - lo + 1)
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return search_a_lengths(
+            args.rule, args.block_size, b_len, shared, args.num_spec_tokens, args.max_num_batched_tokens,
+            progress=advance,
+        )  # fmt: skip

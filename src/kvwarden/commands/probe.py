@@ -7,14 +7,16 @@ Exit status: 0 every arm stable, 1 some arm unstable, 2 an arm could not run
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 
 from kvwarden.config import CHUNKING_RULES, DEVICES, NUMERICS_MODES
+from kvwarden.console import wide_console
 from kvwarden.probe.builtin import BUILTINS
 from kvwarden.probe.launchers import LAUNCHERS
 
@@ -119,6 +121,20 @@ def run(args: argparse.Namespace) -> int:
 
         model = str(resolve_model(model))
     tokenizer = _tokenizer(args.tokenizer, model)
+    lengths = "tokens (the model's tokenizer)"
+    if tokenizer is None and args.url and args.tokenizer != "none":
+        from kvwarden.probe.remote_tokenizer import RemoteTokenizer
+
+        tokenizer, why = RemoteTokenizer.reach(args.url, args.served_model_name, args.api_key)
+        if tokenizer is not None:
+            lengths = f"tokens (the server's {args.url}/tokenize)"
+        else:
+            lengths = "WORDS: no tokenizer (give --tokenizer, or a server with /tokenize)"
+            print(
+                f"kvwarden probe: warning: {args.url}/tokenize did not answer ({why}); --a-len, --b-len and "
+                "--shared count WORDS, which the server turns into several times as many tokens",
+                file=sys.stderr,
+            )
     if args.scenario in BUILTINS:
         shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
         scenario = build(
@@ -130,6 +146,13 @@ def run(args: argparse.Namespace) -> int:
             args.max_tokens,
             tuple(args.budgets),
             ignore_eos=args.ignore_eos,
+        )
+    elif not Path(args.scenario).suffix and not Path(args.scenario).exists():
+        near = difflib.get_close_matches(args.scenario, BUILTINS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(
+            f"--scenario: {args.scenario!r} is neither a built-in scenario ({', '.join(BUILTINS)}) nor a "
+            f".yaml/.toml file{hint}"
         )
     else:
         scenario = load_scenario(args.scenario, settings)
@@ -146,8 +169,11 @@ def run(args: argparse.Namespace) -> int:
     )
     out = args.out or Path("runs") / f"probe-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=args.json)  # with --json, stdout carries only the JSON summary
-    console.print(f"kvwarden probe: scenario {scenario.name}, {len(scenario.arms)} arms -> {out}")
+    console = wide_console(stderr=args.json)  # with --json, stdout carries only the JSON summary
+    arms = f"{len(scenario.arms)} arm{'s' if len(scenario.arms) != 1 else ''}"
+    console.print(f"kvwarden probe: scenario {scenario.name}, {arms} -> {out}")
+    if args.scenario in BUILTINS:
+        console.print(f"  prompt lengths in {lengths}")
     records = run_probe(scenario, target, out, show_progress=not args.no_progress)
     title = f"probe {scenario.name} ({args.launcher or args.url})"
     result = finish_run(out, scenario, records, title, args.launcher, model)

@@ -40,7 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--disable-log-requests", action="store_true", help="no access-log line per request (logged by default)"
     )
     p.add_argument(
-        "--request-timeout", type=float, default=None, help="seconds before a request is aborted and answered 408"
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds before a request is aborted and answered 408 (default: no limit)",
     )
     p.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight requests finish"
@@ -246,4 +249,9 @@ def run_until_stopped(server: uvicorn.Server, sock: socket.socket, ready_line: s
     # it to the handler that was installed before: make that one a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     asyncio.run(serve())
+    if server.started:  # say so: a server that vanishes from a log without a word looks like a crash
+        name = ready_line.removesuffix(": ready")
+        served = server.server_state.total_requests
+        plural = "s" if served != 1 else ""
+        print(f"{name}: stopped after {served} request{plural} (in-flight ones drained)", flush=True)
     return 0 if server.started else 1

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,11 +24,14 @@ from starlette.routing import Route
 from kvwarden.guard.backends import BackendPool
 from kvwarden.guard.config import GuardConfig
 from kvwarden.guard.metrics import GuardMetrics
+from kvwarden.guard.monitors import REASONS
 from kvwarden.guard.relay import Guard, Passthrough, Relay
-from kvwarden.server.protocol import ApiError, api_key_error, error_response
+from kvwarden.server.protocol import ApiError, api_key_error, error_response, unknown_field, unrecognized
 from kvwarden.server.sse import EventStream, until_disconnected
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+log = logging.getLogger("kvwarden.guard")
 
 
 def make_guard(config: GuardConfig) -> Guard:
@@ -37,7 +42,9 @@ def make_guard(config: GuardConfig) -> Guard:
     # body waits for the backend's delayed ACK (40 ms on Linux) on every kept-alive connection.
     transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     client = httpx.AsyncClient(transport=transport, timeout=timeout)
-    return Guard(config, client, pool, GuardMetrics(pool))
+    metrics = GuardMetrics(pool)
+    metrics.export_zeros([b.url for b in pool.backends], REASONS)
+    return Guard(config, client, pool, metrics)
 
 
 def build_app(guard: Guard) -> Starlette:
@@ -59,30 +66,42 @@ def build_app(guard: Guard) -> Starlette:
 
     async def generate(request: Request) -> Response:
         kind = ROUTES[request.url.path]
+        request_id = f"guard-{uuid.uuid4().hex[:12]}"
+
+        def refuse(err: ApiError) -> Response:  # answered before any backend: logged here, in the same words
+            log.info("%s %s: %d, refused: %s", request_id, request.url.path, err.status, err.message)
+            return error_response(err)
+
         err = gatekeep(request)
         if err is not None:
-            return error_response(err)
+            return refuse(err)
         raw = await request.body()
         if len(raw) > guard.config.max_body_bytes:  # chunked uploads carry no Content-Length
-            return error_response(too_large)
+            return refuse(too_large)
         try:
             body = json.loads(raw)
-        except ValueError:
-            return error_response(ApiError(400, "the request body is not valid JSON", None, "invalid_json"))
+        except ValueError:  # the server's words for the same mistake
+            return refuse(ApiError(400, "malformed JSON body: the body is not valid JSON", None, "invalid_json"))
         if not isinstance(body, dict):
-            return error_response(ApiError(400, "the request body must be a JSON object", None, "invalid_json"))
-        relay = Relay(guard, body, kind, request.url.path)
+            return refuse(ApiError(400, "the request body must be a JSON object", None, "invalid_json"))
+        name = unknown_field(body, kind == "chat")
+        if name is not None:  # a misspelt field would reach the backend and be ignored there
+            return refuse(unrecognized(name))
+        relay = Relay(guard, body, kind, request.url.path, request_id)
         try:
             await until_disconnected(request, relay.start())
         except ApiError as err:
+            relay.status = err.status
             await relay.aclose()
             guard.metrics.answers.labels(outcome="error" if err.status != 499 else "client_gone").inc()
             return error_response(err)
         except Passthrough as refused:
+            relay.status = refused.status
             await relay.aclose()
             guard.metrics.answers.labels(outcome="passthrough").inc()
             return JSONResponse(refused.body, status_code=refused.status)
         except BaseException:
+            relay.status = 500
             await relay.aclose()
             raise
         if not relay.upstream.client_streams:

@@ -70,6 +70,8 @@ def assemble(chunks: list[dict[str, Any]], kind: Kind) -> dict[str, Any]:
 
 
 def _empty_choice(index: int, kind: Kind) -> dict[str, Any]:
+    # stop_reason: the stop string or token that ended the choice (vLLM's and kvwarden's field), null otherwise
     if kind == "completions":
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
-    return {"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}
+    message = {"role": "assistant", "content": ""}
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": None, "stop_reason": None}

@@ -72,5 +72,16 @@ class GuardMetrics:
             registry=self.registry,
         )
 
+    def export_zeros(self, backends: list[str], reasons: tuple[str, ...]) -> None:
+        """Every (backend) and (reason) series from the start, at 0, as Prometheus clients expect: a rate over
+        a series that appears only with its first event misses that event."""
+        for reason in reasons:
+            self.aborts.labels(reason=reason)
+        for url in backends:
+            self.requests.labels(backend=url)
+            self.failures.labels(backend=url)
+        for outcome in ("ok", "error", "passthrough", "client_gone"):
+            self.answers.labels(outcome=outcome)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

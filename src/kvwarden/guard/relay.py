@@ -98,10 +98,12 @@ class _Attempt:
 class Relay:
     """Runs one request; ``start`` then ``events`` (streaming) or ``result`` (not), then ``aclose``."""
 
-    def __init__(self, guard: Guard, body: dict[str, Any], kind: Kind, path: str) -> None:
+    def __init__(self, guard: Guard, body: dict[str, Any], kind: Kind, path: str, request_id: str = "") -> None:
         self.guard = guard
         self.kind = kind
         self.path = path
+        self.request_id = request_id
+        self.status = 200  # what the client is answered (set by the app before aclose on errors)
         cfg = guard.config.monitors
         self.upstream: Upstream = prepare(body, kind, want_logprobs=cfg.garbage.enabled or cfg.repetition.enabled)
         n = body.get("n", 1)
@@ -189,6 +191,7 @@ class Relay:
                 payload = response.json()
             except ValueError:
                 payload = {"error": {"message": body.decode(errors="replace"), "type": "upstream_error"}}
+            self.history.append(f"{backend.url}: {response.status_code}, passed through")
             raise Passthrough(response.status_code, payload)
         return _Attempt(backend, response, response.aiter_lines())
 
@@ -260,9 +263,11 @@ class Relay:
         await self._close()
         elapsed = time.perf_counter() - self.started
         log.info(
-            "%s %s: %s (%.3f s)",
+            "%s %s %s: %d, %s (%.3f s)",
+            self.request_id or "-",
             self.path,
             "stream" if self.upstream.client_streams else "json",
+            self.status,
             "; ".join(self.history) or "no attempt",
             elapsed,
         )

@@ -33,7 +33,10 @@ ARM_MEANINGS = {
 PAGE_STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:72em}
 td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}table{border-collapse:collapse;margin:1em 0}
 caption{text-align:left;font-weight:bold;padding:4px 0}tr.unstable td{background:#fde2e2}
-tr.error td{background:#eee}tr.stable td{background:#e6f4ea}.note{color:#555;font-size:90%}"""
+tr.error td{background:#eee}tr.stable td{background:#e6f4ea}.note{color:#555;font-size:90%}
+.banner{padding:.6em 1em;font-weight:bold;border-radius:4px}.banner.stable{background:#e6f4ea}
+.banner.unstable{background:#fde2e2}.banner.error{background:#eee}"""
+URL_MEANINGS = {"repeat": "B repeated on the running server (each run isolated by its own cache_salt)"}
 
 
 def ensure_plotly_js(directory: Path) -> Path:
@@ -49,8 +52,28 @@ def ensure_plotly_js(directory: Path) -> Path:
     return target
 
 
-def arms_table(caption: str, summaries: list[ArmSummary]) -> str:
+def verdict_banner(summaries: list[ArmSummary]) -> str:
+    """One line on top of the page: stable, which arms differ, or which failed."""
+    errors = [s.arm for s in summaries if s.error]
+    unstable = [s.arm for s in summaries if not s.error and not s.stable]
+    if unstable:
+        kind, text = "unstable", f"UNSTABLE: the runs of {', '.join(unstable)} are not bitwise identical"
+    elif errors:
+        kind, text = "error", f"INCOMPLETE: {', '.join(errors)} failed (see the table)"
+    else:
+        kind, text = "stable", "STABLE: every arm's runs were bitwise identical"
+    return f"<p class='banner {kind}'>{html.escape(text)}</p>"
+
+
+def context_table(rows: list[tuple[str, str]]) -> str:
+    """What was measured: model, server, its block size and budget, prompt lengths, ``max_tokens``, date."""
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<table><caption>What was measured</caption>{cells}</table>"
+
+
+def arms_table(caption: str, summaries: list[ArmSummary], url_mode: bool = False) -> str:
     """One row per arm: what it is, N/N identical, first divergent token, cached tokens, verdict."""
+    meanings = {**ARM_MEANINGS, **(URL_MEANINGS if url_mode else {})}
     rows = []
     for s in summaries:
         verdict = "error" if s.error else ("stable" if s.stable else "UNSTABLE")
@@ -59,7 +82,7 @@ def arms_table(caption: str, summaries: list[ArmSummary]) -> str:
         detail = f": {html.escape(s.error.splitlines()[0][:200])}" if s.error else ""
         rows.append(
             f"<tr class='{verdict.lower()}'><td>{html.escape(s.arm)}</td>"
-            f"<td>{html.escape(ARM_MEANINGS.get(s.arm, ''))}</td><td>{s.identical}/{s.runs}</td>"
+            f"<td>{html.escape(meanings.get(s.arm, ''))}</td><td>{s.identical}/{s.runs}</td>"
             f"<td>{s.identical_sorted}/{s.runs}</td><td>{first}</td><td>{cached}</td>"
             f"<td>{'yes' if s.texts_identical else 'no'}</td><td>{verdict}{detail}</td></tr>"
         )
@@ -110,6 +133,12 @@ def arm_plots(summary: ArmSummary, label: str) -> str:
         showlegend=True,
         height=380,
     )
+    if not any(summary.churn):  # a plot of zeros says nothing a sentence cannot
+        return delta.to_html(full_html=False, include_plotlyjs=False) + (
+            "<p class='note'>Positions where a run equals run 1 exactly (Δ = 0) have no point on the log axis. "
+            "Candidate sets: every run had run 1's top-k tokens at every position (churn 0): the values "
+            "moved, not the candidates.</p>"
+        )
     churn = go.Figure(
         go.Scatter(x=positions[: len(summary.churn)], y=summary.churn, mode="lines+markers", name="worst run")
     )
@@ -132,10 +161,11 @@ def arm_plots(summary: ArmSummary, label: str) -> str:
     )
 
 
-def page(title: str, body: str, plotly_src: str) -> str:
+def page(title: str, body: str, plotly_src: str | None) -> str:
+    script = f"<script src='{html.escape(plotly_src)}'></script>" if plotly_src else ""
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<script src='{html.escape(plotly_src)}'></script><style>{PAGE_STYLE}</style></head><body>"
+        f"{script}<style>{PAGE_STYLE}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>{body}</body></html>"
     )
 
@@ -149,14 +179,21 @@ def write_report(
     intro_html: str = "",
     extra_html: str = "",
     plotly_js: Path | None = None,
+    context: list[tuple[str, str]] | None = None,
+    url_mode: bool = False,
 ) -> Path:
-    """Write a probe run's page; ``plotly_js`` points at a shared copy (default: next to the page)."""
-    js = plotly_js or ensure_plotly_js(path.parent)
-    src = Path(_relative(js, path.parent)).as_posix()
+    """Write a probe run's page; ``plotly_js`` points at a shared copy (default: next to the page, and only
+    when the page has plots)."""
     plots = "".join(arm_plots(s, title) for s in summaries if s.deltas)
+    src = None
+    if plots:
+        js = plotly_js or ensure_plotly_js(path.parent)
+        src = Path(_relative(js, path.parent)).as_posix()
     body = (
-        intro_html
-        + arms_table(f"{title}: arms, fingerprints and cached tokens", summaries)
+        verdict_banner(summaries)
+        + (context_table(context) if context else "")
+        + intro_html
+        + arms_table(f"{title}: arms, fingerprints and cached tokens", summaries, url_mode)
         + "<h2>Across arms</h2>"
         + cross_arm_html(cross, reference)
         + extra_html

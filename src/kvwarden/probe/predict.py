@@ -17,6 +17,7 @@ the rules act.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 RULES = ("vllm-align", "vllm-align-fixed", "vllm", "kvwarden")
@@ -272,11 +273,15 @@ def search_a_lengths(
     num_spec_tokens: int = 0,
     max_num_batched_tokens: int | None = None,
     a_range: tuple[int, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[tuple[int, int, bool, bool]]:
-    """Intervals of A lengths with the same outcome: ``(from, to, repeats_stable, history_dependent)``."""
+    """Intervals of A lengths with the same outcome: ``(from, to, repeats_stable, history_dependent)``;
+    ``progress(done, total)`` is called after each A length."""
     lo, hi = a_range or (max(shared, 1), shared + 3 * block_size)
     out: list[tuple[int, int, bool, bool]] = []
     for a_len in range(lo, hi + 1):
+        if progress is not None:
+            progress(a_len - lo, hi - lo + 1)
         p = predict_pair(rule, block_size, a_len, b_len, min(shared, a_len), num_spec_tokens, max_num_batched_tokens)
         key = (p.repeats_stable, p.history_dependent)
         if out and (out[-1][2], out[-1][3]) == key:

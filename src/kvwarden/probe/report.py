@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvwarden.console import wide_console
 from kvwarden.probe.fingerprint import first_divergence
 
 
@@ -131,7 +132,7 @@ def contamination_verdict(summaries: list[ArmSummary]) -> tuple[bool, bool]:
 
 
 def print_table(title: str, summaries: list[ArmSummary], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or wide_console()
     table = Table(title=title)
     for col in (
         "arm",

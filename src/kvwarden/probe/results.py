@@ -78,8 +78,36 @@ def finish_run(
     (run_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
     extra = f"<h2>Predictor</h2><p>{_html(check)}</p>"
     reference = scenario.compare_arms[0] if scenario.compare_arms else None
-    write_report(run_dir / "report.html", title, summaries, cross, reference, intro_html, extra, plotly_js)
+    context = _context(scenario, records, launcher, model)
+    write_report(
+        run_dir / "report.html", title, summaries, cross, reference, intro_html, extra, plotly_js, context,
+        url_mode=launcher is None,
+    )  # fmt: skip
     return result
+
+
+def _context(
+    scenario: Scenario, records: list[dict[str, Any]], launcher: str | None, model: str | None
+) -> list[tuple[str, str]]:
+    """The report's "what was measured" rows, from the scenario and what the server said it runs."""
+    import time
+
+    info = next((r["info"] for r in records if r.get("type") == "server_info"), {})
+    runs = max((a.steps[a.measured_step].repeat for a in scenario.arms if a.steps), default=0)
+    rows = [
+        ("date", time.strftime("%Y-%m-%d %H:%M %Z")),
+        ("model", model or info.get("model") or "as served"),
+        ("server", f"started fresh per arm by the {launcher} launcher" if launcher else "a running server (--url)"),
+        ("block size", f"{info.get('block_size', '?')} ({info.get('block_size_source', '?')})"),
+        ("step budget", f"{info.get('max_num_batched_tokens', '?')} ({info.get('budget_source', '?')})"),
+        ("runs per arm", str(runs)),
+        ("max_tokens", str(scenario.max_tokens)),
+    ]
+    shape = scenario.notes.get("shape")
+    if shape:
+        unit = "tokens" if scenario.notes.get("token_prompts") else "words"
+        rows.append(("prompts", f"A {shape['a_len']}, B {shape['b_len']}, shared {shape['shared']} {unit}"))
+    return rows
 
 
 def _html(check: CacheCheck | str) -> str:

@@ -147,6 +147,8 @@ def run_arm(
         log.append({"type": "arm_done", "arm": arm.name, "attempt": attempt})
     except (ServerFailed, ProbeError, httpx.HTTPError) as exc:
         error = str(exc) if isinstance(exc, ServerFailed) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, httpx.TransportError) and target.url:  # a dead --url: say which one
+            error = f"{target.url}: {error}"
         if exit_code is not None:
             error = f"server exited with {exit_code} during the arm ({error})"
         tail = log_tail(server.log_path) if server is not None else ""

@@ -35,6 +35,7 @@ from kvwarden.server.protocol import (
     TokenizeRequest,
     api_key_error,
     error_response,
+    refuse_unknown,
 )
 from kvwarden.server.tokenize import Tokenization
 
@@ -87,7 +88,9 @@ class _BodyTooLarge(Exception):
 
 
 class ApiKeyGate:
-    """Require ``Authorization: Bearer KEY`` on ``/v1/*`` (401 in OpenAI's error format otherwise).
+    """Require ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize`` and ``/detokenize`` (401 in OpenAI's
+    error format otherwise): they spend the server's time on the caller's input. ``/health`` and ``/metrics``
+    stay open (probes and scrapers).
 
     NOTE: plain ASGI on purpose: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) hides the
     client's disconnect from ``Request.is_disconnected``, so a non-streaming request whose client left
@@ -99,7 +102,8 @@ class ApiKeyGate:
         self.key = key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
             header = dict(scope.get("headers") or []).get(b"authorization")
             refused = api_key_error(header.decode("latin-1") if header is not None else None, self.key)
             if refused is not None:
@@ -232,12 +236,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, roles: PDRoles | None =
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        refuse_unknown(req)
         if req.model is not None:
             check_model(req.model)
         return tokenization.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        refuse_unknown(req)
         if req.model is not None:
             check_model(req.model)
         return tokenization.detokenize(req)

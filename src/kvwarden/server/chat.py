@@ -135,6 +135,8 @@ class ChatCompletions:
                         [out.logprobs[i] for i in new],
                         token_text,
                     )
+                if not text and logprobs is None and not out.finished:
+                    continue  # a token that ends inside a UTF-8 character: nothing to send until it completes
                 choice: dict[str, Any] = {
                     "index": index,
                     "delta": {"content": text} if text else {},

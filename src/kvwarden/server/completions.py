@@ -128,6 +128,7 @@ class Completions:
     ) -> AsyncGenerator[dict[str, Any], None]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}  # per choice: characters of the tokens already sent (text_offset is absolute)
         events = choice_deltas(self.engine, jobs, rid)
         async with contextlib.aclosing(events):
             async for index, text, new, out in events:
@@ -138,7 +139,9 @@ class Completions:
                         [out.sampled_logprobs[i] for i in new],
                         [out.logprobs[i] for i in new],
                         token_text,
+                        offsets.get(index, 0),
                     )
+                    offsets[index] = offsets.get(index, 0) + sum(len(piece) for piece in logprobs["tokens"])
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason

@@ -1,8 +1,12 @@
 """OpenAI request schemas (with vLLM's extensions) and the error body.
 
 Validation is strict (no "5" for 5, no true for 1): a wrong type is a 422 with
-the offending field named. Unknown fields are accepted and ignored, as OpenAI
-clients send fields a server may not know.
+the offending field named. A field kvwarden does not know is a 400 naming it,
+as OpenAI's API answers "Unrecognized request argument supplied": a misspelt
+``temprature`` would otherwise change the answer without anyone being told.
+Fields that cannot change an answer (``IGNORED_FIELDS``: bookkeeping such as
+``user`` or ``metadata``) are accepted and ignored; fields that would change it
+and are not supported are refused by name (``UNSUPPORTED_FIELDS``).
 """
 
 from __future__ import annotations
@@ -66,11 +70,42 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "suffix": ("suffix (insertion) is not supported", ("",)),
     "structured_outputs": ("structured output is not supported", ()),
 }
+UNSUPPORTED_FIELDS |= {
+    "prompt_logprobs": ("prompt_logprobs is not supported as a field: use echo with logprobs", ()),
+    "min_p": ("min_p is not supported (only 0)", (0, 0.0)),
+    "use_beam_search": ("beam search is not supported", (False,)),
+    "length_penalty": ("length_penalty is not supported (only 1)", (1, 1.0)),
+    "logprobs_mode": ("logprobs_mode is not supported (raw logprobs only)", ("raw_logprobs",)),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens is not supported (only true)", (True,)),
+    "truncate_prompt_tokens": ("prompt truncation is not supported", ()),
+    "audio": ("audio output is not supported", ()),
+    "modalities": ("modalities other than text are not supported", (["text"],)),
+    "prediction": ("predicted outputs are not supported", ()),
+    "reasoning_effort": ("reasoning_effort is not supported", ()),
+    "web_search_options": ("web search is not supported", ()),
+    "verbosity": ("verbosity is not supported", ()),
+    # vLLM's extensions kvwarden does not implement
+    "chat_template": ("a request-supplied chat_template is not supported", ()),
+    "chat_template_kwargs": ("chat_template_kwargs is not supported", ({},)),
+    "continue_final_message": ("continue_final_message is not supported", (False,)),
+    "allowed_token_ids": ("allowed_token_ids is not supported", ([],)),
+    "bad_words": ("bad_words is not supported", ([],)),
+    "documents": ("documents are not supported", ([],)),
+    "mm_processor_kwargs": ("multimodal inputs are not supported", ({},)),
+}
 UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided decoding: guided_json, guided_regex, guided_choice, ...
+# Accepted and ignored: they cannot change an answer (OpenAI's bookkeeping, vLLM's scheduling hints).
+IGNORED_FIELDS = frozenset(
+    {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "priority", "request_id"}
+)
+# Keys of a chat message that a client may send back from an earlier response; they cannot change the answer
+# when empty, and the chat template does not read them.
+IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "reasoning_content", "reasoning", "tool_calls"})
 
 
 def refuse_unsupported(req: BaseModel) -> None:
-    """400 naming the first field that would change what the answer means (see ``UNSUPPORTED_FIELDS``)."""
+    """400 naming the first field that would change what the answer means (``UNSUPPORTED_FIELDS``) or that
+    kvwarden does not know at all (a misspelt ``max_token`` included)."""
     values = {**{k: getattr(req, k) for k in type(req).model_fields}, **(req.model_extra or {})}
     for name, value in values.items():
         if value is None:
@@ -90,6 +125,44 @@ def refuse_unsupported(req: BaseModel) -> None:
             name,
             "unsupported_parameter",
         )
+    refuse_unknown(req)
+
+
+def refuse_unknown(req: BaseModel) -> None:
+    """400 naming a field kvwarden does not know (top level or inside an object), bookkeeping fields aside."""
+    for name in req.model_extra or {}:
+        if name not in UNSUPPORTED_FIELDS and not name.startswith(UNSUPPORTED_PREFIXES) and name not in IGNORED_FIELDS:
+            raise unrecognized(name)
+    for field_name in type(req).model_fields:
+        _refuse_nested(getattr(req, field_name), field_name)
+
+
+def unrecognized(name: str) -> ApiError:
+    """OpenAI's answer to a field it does not know: a 400 naming it."""
+    return ApiError(
+        400,
+        f"Unrecognized request argument supplied: {name} (kvwarden refuses fields it does not know rather than "
+        "ignore them; see docs/api.md for the fields it accepts)",
+        name,
+        "unrecognized_argument",
+    )
+
+
+def _refuse_nested(value: Any, path: str) -> None:
+    """Unknown keys inside objects (``stream_options``, ``messages[i]``, content parts) are refused too."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_nested(item, f"{path}[{i}]")
+        return
+    if not isinstance(value, BaseModel):
+        return
+    for name, extra in (value.model_extra or {}).items():
+        empty = extra is None or extra == [] or extra == ""
+        if isinstance(value, ChatMessage) and name in IGNORED_MESSAGE_FIELDS and empty:
+            continue
+        raise unrecognized(f"{path}.{name}")
+    for name in type(value).model_fields:
+        _refuse_nested(getattr(value, name), f"{path}.{name}")
 
 
 class _Strict(BaseModel):
@@ -192,3 +265,11 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def unknown_field(body: dict[str, Any], chat: bool) -> str | None:
+    """The first top-level field of a raw request body that no OpenAI-compatible server knows (the guard's
+    check: it fronts servers that support more than kvwarden, so only names nobody knows are refused)."""
+    known = set((ChatCompletionRequest if chat else CompletionRequest).model_fields) | set(UNSUPPORTED_FIELDS)
+    known |= IGNORED_FIELDS
+    return next((k for k in body if k not in known and not k.startswith(UNSUPPORTED_PREFIXES)), None)
