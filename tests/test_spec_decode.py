@@ -135,7 +135,7 @@ def test_every_proposer_and_k_equals_speculation_off_and_drafts(
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
-    from kvwarden.engine.proposers import NgramProposer
+    from kvwarden.engine.spec.proposers import NgramProposer
 
     lookup = NgramProposer(1, 3).lookup
     assert lookup([1, 2, 3, 4, 9, 2, 3], 2) == [4, 9]  # "2 3" seen before, followed by 4 9

@@ -21,8 +21,8 @@ from kvwarden.commands.engine_args import add_engine_args
 if TYPE_CHECKING:
     import uvicorn
 
+    from kvwarden.disagg.routes import PDRoles
     from kvwarden.server.async_engine import AsyncEngine
-    from kvwarden.server.pd_routes import PDRoles
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -217,10 +217,10 @@ def set_cpu_threads(args: argparse.Namespace) -> None:
 
 def make_roles(args: argparse.Namespace, engine: AsyncEngine) -> PDRoles:
     """The prefill or decode service of a disaggregated instance, with its NIXL agent."""
-    from kvwarden.cache.kv_transfer import TransferAgent
-    from kvwarden.server.pd_decode import DecodeService
-    from kvwarden.server.pd_prefill import PrefillService
-    from kvwarden.server.pd_routes import PDRoles
+    from kvwarden.disagg.decode import DecodeService
+    from kvwarden.disagg.prefill import PrefillService
+    from kvwarden.disagg.routes import PDRoles
+    from kvwarden.disagg.transfer import TransferAgent
 
     core = engine.engine
     kv = [core.runner.kv_caches.raw(i) for i in range(len(core.runner.kv_caches))]

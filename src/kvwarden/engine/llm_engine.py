@@ -28,7 +28,8 @@ from kvwarden.engine.request import Request, Status
 from kvwarden.engine.sampler import RowTops, row_math_for
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler
-from kvwarden.engine.spec_decode import verify
+from kvwarden.engine.spec.speculator import Speculator
+from kvwarden.engine.spec.verify import verify
 from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
 from kvwarden.engine.stop import update_text_and_check_stop
@@ -38,7 +39,6 @@ from kvwarden.models.sources import resolve_model
 
 if TYPE_CHECKING:
     from kvwarden.engine.faults import FaultInjector
-    from kvwarden.engine.speculator import Speculator
 
 Prompt = str | list[int]
 log = logging.getLogger(__name__)
@@ -116,10 +116,8 @@ class LLMEngine:
             self.host = HostTier(self.runner.kv_caches, pool, copies, cache.block_size, self.states)
             self.kv.attach_host(self.host)
         self.speculator: Speculator | None = None
-        if self.spec is not None:
-            from kvwarden.engine.speculator import Speculator as _Speculator  # it imports this module's users
-
-            self.speculator = _Speculator(self.spec, self)
+        if self.spec is not None:  # a draft model's engine is one of ours: the factory is this class
+            self.speculator = Speculator(self.spec, self, LLMEngine)
         self.requests: dict[str, Request] = {}
         self.remote = RemoteKV(self.scheduler, self.kv, self.states, self.requests, cache.block_size)
         # Testing only (``kvwarden serve --inject-fault``): breaks invariance on purpose when set.

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +26,6 @@ from kvwarden.server.access_log import AccessLog
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.chat import ChatCompletions
 from kvwarden.server.completions import Completions
-from kvwarden.server.pd_routes import PDRoles, add_pd_routes
 from kvwarden.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -142,8 +141,20 @@ def _is_json(raw: bytes | str) -> bool:
     return True
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, roles: PDRoles | None = None) -> ASGIApp:
-    """The ASGI app for one engine (``roles``: the prefill or decode service of a disaggregated instance)."""
+class AppExtension(Protocol):
+    """More routes and a lifetime beside the OpenAI API: a disaggregated instance's role
+    (:class:`kvwarden.disagg.routes.PDRoles`); the server does not know what they are."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def add_routes(self, app: FastAPI, engine: AsyncEngine) -> None: ...
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, roles: AppExtension | None = None) -> ASGIApp:
+    """The ASGI app for one engine (``roles``: e.g. the prefill or decode service of a disaggregated
+    instance, with its routes)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -160,7 +171,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, roles: PDRoles | None =
 
     app = FastAPI(title="kvwarden", version="0.1.0", lifespan=lifespan)
     if roles is not None:
-        add_pd_routes(app, roles, engine)
+        roles.add_routes(app, engine)
     completions = Completions(engine, config.model_name)
     chat = ChatCompletions(engine, config.model_name)
     tokenization = Tokenization(engine)

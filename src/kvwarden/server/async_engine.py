@@ -66,7 +66,7 @@ class _Add:
 
 
 class RemoteKVHooks(Protocol):
-    """What the engine thread tells disaggregated serving (``kvwarden.server.pd_decode``).
+    """What the engine thread tells disaggregated serving (``kvwarden.disagg.decode``).
 
     ``on_blocks_ready`` and ``on_abort`` are called on the engine thread and must not block.
     """

@@ -8,7 +8,7 @@ its NIXL notification has arrived, the request runs here from the last prompt
 token on. If the request is aborted once its order was sent (client gone,
 ``--request-timeout``, or the prefill instance past ``--pd-transfer-timeout``)
 its blocks stay allocated until the prefill instance answers the abort with
-"safe to reclaim" (:mod:`kvwarden.server.pd_protocol`).
+"safe to reclaim" (:mod:`kvwarden.disagg.protocol`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvwarden.cache.kv_transfer import TransferAgent
+from kvwarden.disagg.protocol import AbortReport, PeerInfo, PrefillOrder, PrefillReport
+from kvwarden.disagg.transfer import TransferAgent
 from kvwarden.engine.remote_kv import TransferMemory
 from kvwarden.server.async_engine import AsyncEngine, PrefillTimeoutError, RemotePrefillError
-from kvwarden.server.pd_protocol import AbortReport, PeerInfo, PrefillOrder, PrefillReport
 
 log = logging.getLogger("kvwarden.pd")
 

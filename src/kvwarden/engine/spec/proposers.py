@@ -3,21 +3,19 @@
 A proposer is asked once per engine step, after sampling, for the requests
 that will decode next: it sets ``Request.spec_token_ids``. What it proposes can
 change how many tokens a step emits, never which tokens (see
-:mod:`kvwarden.engine.spec_decode`). The draft-model and MTP proposers live in
+:mod:`kvwarden.engine.spec.verify`). The draft-model and MTP proposers live in
 their own modules; :func:`make_proposer` is the one place that knows them all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvwarden.config import SpeculativeConfig
 from kvwarden.engine.model_runner import StepLogits
 from kvwarden.engine.request import Request
 from kvwarden.engine.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from kvwarden.engine.llm_engine import LLMEngine
+from kvwarden.engine.spec.target import EngineFactory, SpecTarget
 
 
 class Proposer(Protocol):
@@ -65,14 +63,14 @@ class NgramProposer:
         return None
 
 
-def make_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> Proposer:
+def make_proposer(spec: SpeculativeConfig, engine: SpecTarget, make_engine: EngineFactory) -> Proposer:
     """The proposer a speculative config names, built against the target engine."""
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "draft":
-        from kvwarden.engine.draft_proposer import DraftModelProposer
+        from kvwarden.engine.spec.draft import DraftModelProposer
 
-        return DraftModelProposer(spec, engine)
-    from kvwarden.engine.mtp_proposer import MtpProposer
+        return DraftModelProposer(spec, engine, make_engine)
+    from kvwarden.engine.spec.mtp import MtpProposer
 
     return MtpProposer(engine)

@@ -10,12 +10,10 @@ over its own output give the rest.
 NOTE: the head's KV at the last position of a block depends on the first token
 of the next block, which the block's hash does not cover, so a prefix hit may
 bring a head KV entry written for another continuation. That can only lower
-acceptance: drafts never change the answer (:mod:`kvwarden.engine.spec_decode`).
+acceptance: drafts never change the answer (:mod:`kvwarden.engine.spec.verify`).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,11 +22,9 @@ from kvwarden.engine.request import Request
 from kvwarden.engine.sampler import sample_row
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import SchedulerOutput
+from kvwarden.engine.spec.target import SpecTarget
 from kvwarden.models.loader import TORCH_DTYPES
 from kvwarden.models.mtp import MtpHead, has_mtp
-
-if TYPE_CHECKING:
-    from kvwarden.engine.llm_engine import LLMEngine
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -36,7 +32,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 class MtpProposer:
     """Proposes with the checkpoint's MTP head (``speculative_config={"method": "mtp"}``)."""
 
-    def __init__(self, target: LLMEngine) -> None:
+    def __init__(self, target: SpecTarget) -> None:
         weights = target.loaded.mtp_weights
         if not has_mtp(weights):
             raise ValueError(

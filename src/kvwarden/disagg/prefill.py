@@ -1,6 +1,6 @@
 """The prefill role: compute a prompt for a decode instance and write its KV into the decode's blocks.
 
-The life of an order (``POST /pd/v1/prefill``, see :mod:`kvwarden.server.pd_protocol`):
+The life of an order (``POST /pd/v1/prefill``, see :mod:`kvwarden.disagg.protocol`):
 the engine computes ``prompt[:-1]`` as a request that keeps its blocks after
 it finishes (``hold``); the blocks are written into the decode instance's,
 one slice per attention layer (plus the recurrent state), then released. The
@@ -20,10 +20,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwarden.cache.kv_transfer import Layout, TransferAgent
+from kvwarden.disagg.protocol import AbortOrder, AbortReport, PrefillOrder, PrefillReport
+from kvwarden.disagg.transfer import Layout, TransferAgent
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.server.async_engine import AsyncEngine
-from kvwarden.server.pd_protocol import AbortOrder, AbortReport, PrefillOrder, PrefillReport
 from kvwarden.server.protocol import ApiError
 
 log = logging.getLogger("kvwarden.pd")

@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from kvwarden.disagg.decode import DecodeService
+from kvwarden.disagg.prefill import PrefillService
+from kvwarden.disagg.protocol import AbortOrder, AbortReport, PrefillOrder, PrefillReport
 from kvwarden.server.async_engine import AsyncEngine
-from kvwarden.server.pd_decode import DecodeService
-from kvwarden.server.pd_prefill import PrefillService
-from kvwarden.server.pd_protocol import AbortOrder, AbortReport, PrefillOrder, PrefillReport
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class PDRoles:
     async def close(self) -> None:
         if self.decode is not None:
             await self.decode.close()
+
+    def add_routes(self, app: FastAPI, engine: AsyncEngine) -> None:
+        add_pd_routes(app, self, engine)
 
 
 def add_pd_routes(app: FastAPI, roles: PDRoles, engine: AsyncEngine) -> None:

@@ -6,12 +6,12 @@ prefill instance computes the prompt and *writes* its KV straight into them
 engine registers its KV tensors and state tensors once; a peer describes its
 memory as a :class:`Layout` (base address and bytes per unit of every tensor:
 a block of a KV tensor, a slot of a state tensor), sent with each request over
-the control channel (``kvwarden.server.pd_protocol``).
+the control channel (``kvwarden.disagg.protocol``).
 
 A transfer is cut into slices (one per attention layer, plus one for the
 recurrent state) posted one after another, so an abort can arrive *during* a
 transfer: the prefill side then stops posting, waits for what it posted, and
-only then answers "safe to reclaim" (see ``kvwarden.server.pd_prefill``).
+only then answers "safe to reclaim" (see ``kvwarden.disagg.prefill``).
 
 Why NIXL (vLLM's transfer library): it is a pip wheel that runs here on UCX's
 TCP transport (~1.2 GB/s over loopback), reports a dead peer within about

@@ -1,6 +1,6 @@
 """The engine's speculative-decoding bookkeeping: checkpoints, commits, proposals, totals.
 
-Verification itself (which tokens to keep) is :mod:`kvwarden.engine.spec_decode`;
+Verification itself (which tokens to keep) is :mod:`kvwarden.engine.spec.verify`;
 this owns what happens around it: the recurrent-state checkpoint before a
 verify step, how far ``num_computed_tokens`` advances after it, and asking the
 proposer for the next step's drafts.
@@ -8,29 +8,26 @@ proposer for the next step's drafts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import SpeculativeConfig
 from kvwarden.engine.model_runner import StepLogits
-from kvwarden.engine.proposers import make_proposer
 from kvwarden.engine.request import Request
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvwarden.engine.spec.proposers import make_proposer
+from kvwarden.engine.spec.target import EngineFactory, SpecTarget
 from kvwarden.engine.spec_stats import SpecStats
-
-if TYPE_CHECKING:
-    from kvwarden.engine.llm_engine import LLMEngine
 
 
 class Speculator:
     """Speculative decoding for one engine (built only when ``speculative_config`` is set)."""
 
-    def __init__(self, spec: SpeculativeConfig, engine: LLMEngine) -> None:
+    def __init__(self, spec: SpeculativeConfig, engine: SpecTarget, make_engine: EngineFactory) -> None:
+        """``make_engine`` builds a draft model's engine (the target hands in its own class)."""
         self.spec = spec
         self.scheduler: Scheduler = engine.scheduler
         self.states: StatePool | None = engine.states
         self.max_model_len = engine.max_model_len
-        self.proposer = make_proposer(spec, engine)
+        self.proposer = make_proposer(spec, engine, make_engine)
         self.totals = SpecStats()  # every request's, for /metrics
 
     def before_step(self, sched: SchedulerOutput) -> None:

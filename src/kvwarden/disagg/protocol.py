@@ -1,6 +1,6 @@
 """The control messages of disaggregated serving (decode instance <-> prefill instance), over HTTP/JSON.
 
-Data moves through NIXL (:mod:`kvwarden.cache.kv_transfer`); these messages
+Data moves through NIXL (:mod:`kvwarden.disagg.transfer`); these messages
 say what to move and when it is safe to let go of memory. Both calls are
 made by the decode instance; every call has a timeout on the caller's side.
 

@@ -1,7 +1,7 @@
 """Draft-model speculation: a small model sharing the tokenizer, run by its own engine.
 
-The draft model gets a full :class:`~kvwarden.engine.llm_engine.LLMEngine` of
-its own (weights, KV pool, prefix cache, recurrent states), whose scheduler is
+The draft model gets a full engine of its own (built by the factory the target
+hands in) (weights, KV pool, prefix cache, recurrent states), whose scheduler is
 not used: for every target request that decodes next, this proposer keeps a
 *shadow* request holding the target's committed tokens, and drafts ``k`` tokens
 greedily in ``k`` batched forward passes of the draft model.
@@ -16,7 +16,6 @@ and restored after drafting.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kvwarden.config import SpeculativeConfig
 from kvwarden.engine.model_runner import StepLogits
@@ -24,9 +23,7 @@ from kvwarden.engine.request import Request, Status
 from kvwarden.engine.sampler import sample_row
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, SchedulerOutput
-
-if TYPE_CHECKING:
-    from kvwarden.engine.llm_engine import LLMEngine
+from kvwarden.engine.spec.target import EngineFactory, SpecTarget
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -34,15 +31,13 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 class DraftModelProposer:
     """Proposes with a separate draft model (``speculative_config={"method": "draft", "model": ...}``)."""
 
-    def __init__(self, spec: SpeculativeConfig, target: LLMEngine) -> None:
-        from kvwarden.engine.llm_engine import LLMEngine  # the target engine imports this module lazily
-
+    def __init__(self, spec: SpeculativeConfig, target: SpecTarget, make_engine: EngineFactory) -> None:
         assert spec.model is not None
         # As many blocks as the target: a shadow never needs more than its target. On a GPU the
         # target sized its pool first, so leave room with a lower gpu_memory_utilization.
         # The draft keeps its own KV pool only (a host tier for drafts would cost memory and copies for nothing).
         cache = replace(target.config.cache, num_blocks=target.num_blocks, host_cache_bytes=0, unsafe_host_load=False)
-        self.draft = LLMEngine(replace(target.config, model=spec.model, speculative=None, cache=cache))
+        self.draft = make_engine(replace(target.config, model=spec.model, speculative=None, cache=cache))
         self.target_vocab = target.model_config.vocab_size
         _check_vocabulary(spec.model, self.draft, target)
         self.shadows: dict[str, Request] = {}
@@ -120,7 +115,7 @@ class DraftModelProposer:
             self.draft.kv.free(shadow)
 
 
-def _check_vocabulary(name: str, draft: LLMEngine, target: LLMEngine) -> None:
+def _check_vocabulary(name: str, draft: SpecTarget, target: SpecTarget) -> None:
     """A draft must tokenize exactly as the target does, or its tokens mean something else."""
     mine = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
     theirs = target.tokenizer.backend.get_vocab(with_added_tokens=True)
