@@ -33,6 +33,7 @@ from typing import Any
 
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.intmath import cdiv
 from kvwarden.llm import LLM
 
 PROPERTIES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
@@ -172,7 +173,7 @@ def _preempted(
     make: MakeLLM, prompt: list[int], params: SamplingParams, partners: list[list[int]], block_size: int
 ) -> tuple[RequestOutput, str]:
     """The request among partners in a pool too small for all of them: someone is preempted."""
-    need = -(-(len(prompt) + (params.max_tokens or 0)) // block_size) + 1
+    need = cdiv(len(prompt) + (params.max_tokens or 0), block_size) + 1
     llm = make(num_blocks=need + 2, max_num_batched_tokens=4 * block_size)
     plist = [_partner_params(i) for i in range(len(partners))]
     outs = llm.generate([*partners, prompt], [*plist, params])

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvwarden.cache.block_pool import Block, BlockPool
 from kvwarden.cache.hashing import extend_hashes
+from kvwarden.intmath import cdiv
 
 if TYPE_CHECKING:
     from kvwarden.cache.host_tier import HostHit, HostTier
@@ -108,7 +109,7 @@ class KVCacheManager:
         remote = [h for h in hits if not isinstance(h, Block)]  # device hits always come first
         held = self.req_blocks.get(req.request_id, [])
         total_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        needed = -(-total_tokens // self.block_size) - len(held) - len(device)
+        needed = cdiv(total_tokens, self.block_size) - len(held) - len(device)
         revived = sum(1 for b in device if b.ref_cnt == 0)  # hits that sit in the free queue
         if needed > self.pool.num_free_blocks - revived:
             return None

@@ -23,6 +23,7 @@ from typing import Any
 from kvwarden.disagg.protocol import AbortOrder, AbortReport, PrefillOrder, PrefillReport
 from kvwarden.disagg.transfer import Layout, TransferAgent
 from kvwarden.engine.sampling_params import SamplingParams
+from kvwarden.intmath import cdiv
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.protocol import ApiError
 
@@ -108,7 +109,7 @@ class PrefillService:
                 return self._report("aborted", state)
             state.writing = True
             mine = await self.engine.call(lambda e: e.remote.source(rid))
-            first, end = order.first_block, -(-(len(order.token_ids) - 1) // peer.block_size)
+            first, end = order.first_block, cdiv(len(order.token_ids) - 1, peer.block_size)
             theirs = dict(order.snapshot_slots)
             snaps = [(i, mine.snapshot_slots[i], theirs[i]) for i in sorted(theirs) if i in mine.snapshot_slots]
             pieces = self.agent.plan(

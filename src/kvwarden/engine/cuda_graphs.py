@@ -43,6 +43,7 @@ import torch
 
 from kvwarden.cache.paged_kv import PagedKV
 from kvwarden.cache.state_pool import StatePool
+from kvwarden.intmath import cdiv, round_up
 from kvwarden.layers.attention import AttentionPlan
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.decoder import DecoderModel, ForwardBatch
@@ -60,7 +61,7 @@ class BlockTables(Protocol):
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (rounded up)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    top = -(-max_num_seqs // 16) * 16 if max_num_seqs > 8 else max_num_seqs
+    top = round_up(max_num_seqs, 16) if max_num_seqs > 8 else max_num_seqs
     sizes += list(range(16, top + 1, 16)) if max_num_seqs > 8 else [top]
     return sorted(set(sizes))
 
@@ -114,7 +115,7 @@ class DecodeGraphs:
         self.sizes = graph_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         dev = model.ops.device
-        n, width = self.max_size, -(-max_model_len // block_size)
+        n, width = self.max_size, cdiv(max_model_len, block_size)
         self.longs = torch.zeros((3, n), dtype=torch.long, device=dev)  # token ids, positions, slots
         # seq start, queries (1, or 0 for padding: also the recurrent rows), tile start, state slot
         self.ints = torch.zeros((4, n), dtype=torch.int32, device=dev)

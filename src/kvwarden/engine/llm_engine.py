@@ -33,6 +33,7 @@ from kvwarden.engine.spec.verify import verify
 from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
 from kvwarden.engine.stop import update_text_and_check_stop
+from kvwarden.intmath import cdiv
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
@@ -158,7 +159,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate (max_model_len is {self.max_model_len})"
             )
-        blocks = -(-(len(ids) + 1) // self.config.cache.block_size)
+        blocks = cdiv(len(ids) + 1, self.config.cache.block_size)
         if blocks > self.num_blocks:
             raise ValueError(f"prompt: needs {blocks} KV blocks but the cache has {self.num_blocks}")
         return ids

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvwarden.intmath import round_up
 from kvwarden.layers.attention import AttentionPlan, SeqAttn
 
 # Score elements (queries x keys) per kv head that one batched call may hold, and the most padding
@@ -74,7 +75,7 @@ class TileGroup:
     def _build_heads(self, hq: int, hkv: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, q = self.q_rows.shape
         rep = hq // hkv
-        m = -(-rep * q // 4) * 4
+        m = round_up(rep * q, 4)
         pad_row = num_rows * hq
         heads = torch.arange(hkv * rep).view(1, hkv, rep, 1)
         idx = self.q_rows.view(g, 1, 1, q) * hq + heads
@@ -103,7 +104,7 @@ def build_tile_plan(seqs: list[SeqAttn], num_rows: int, k_tile: int, null_slot: 
     for seq in seqs:
         end = seq.start_pos + seq.num_queries
         if seq.num_queries == 1:
-            n = -(-end // k_tile) * k_tile
+            n = round_up(end, k_tile)
             items.setdefault(1, []).append((n, [seq.row_start], [seq.start_pos], seq))
             continue
         for tile in range(seq.start_pos // q_tile, (end - 1) // q_tile + 1):
@@ -111,7 +112,7 @@ def build_tile_plan(seqs: list[SeqAttn], num_rows: int, k_tile: int, null_slot: 
             real = [seq.start_pos <= p < end for p in pos]
             rows = [seq.row_start + p - seq.start_pos if ok else -1 for p, ok in zip(pos, real, strict=True)]
             qpos = [p if ok else -1 for p, ok in zip(pos, real, strict=True)]
-            n = -(-(max(qpos) + 1) // k_tile) * k_tile
+            n = round_up(max(qpos) + 1, k_tile)
             items.setdefault(q_tile, []).append((n, rows, qpos, seq))
     groups: list[TileGroup] = []
     for q, group_items in items.items():

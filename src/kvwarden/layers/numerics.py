@@ -42,6 +42,7 @@ from itertools import accumulate, pairwise
 import torch
 
 from kvwarden.config import NumericsConfig
+from kvwarden.intmath import round_up
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
 from kvwarden.layers.canonical_attention import build_tile_plan, canonical_attention
 from kvwarden.layers.gemm_rows import GemmRowSizes
@@ -229,7 +230,7 @@ class CanonicalOps(Ops):
             # (layers/gemm_rows.py; one call for most batches, tiles where MKL's kernel choice for
             # larger calls differs, one thread where it splits the reduction across threads).
             rows = x.shape[0]
-            padded = -(-rows // tile) * tile
+            padded = round_up(rows, tile)
             if padded != rows:
                 x = torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
             elif not x.is_contiguous():

@@ -7,6 +7,8 @@ than its SIMD loop (last bit). ``CanonicalOps.pointwise`` pads every call to
 
 from __future__ import annotations
 
+from kvwarden.intmath import cdiv, round_up
+
 # torch's element-wise CPU kernels (TensorIterator) split a contiguous tensor of N elements into
 # min(threads, ceil(N / GRAIN)) ranges of ceil(N / parts) elements (the last one shorter); each range
 # runs the SIMD loop on blocks of two vectors and a scalar loop on the remainder, whose results
@@ -21,9 +23,9 @@ def pointwise_length(n: int, threads: int) -> int:
     """The padded length of an element-wise call over ``n`` elements: the least multiple of
     :data:`SIMD_BLOCK` at which every thread's range is a whole number of blocks (no scalar
     remainder anywhere). ``tests/test_numerics.py`` pins the split rule for 1 to 4 threads."""
-    padded = max(-(-n // SIMD_BLOCK), 1) * SIMD_BLOCK
+    padded = max(round_up(n, SIMD_BLOCK), SIMD_BLOCK)
     while True:
-        parts = max(1, min(threads, -(-padded // GRAIN)))
+        parts = max(1, min(threads, cdiv(padded, GRAIN)))
         if padded % (parts * SIMD_BLOCK) == 0:
             return padded
         padded += SIMD_BLOCK

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvwarden.intmath import cdiv
+
 BLOCK_Q = 16  # query positions per tile (aligned to absolute position)
 BLOCK_N = 32  # keys per tile (aligned to key position 0)
 SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order
@@ -288,7 +290,7 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(d))
     const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=BLOCK_Q)
     ieee = q.dtype == torch.float32
-    nsplit = -(-meta.max_keys // SPLIT) if meta.max_keys else 0
+    nsplit = cdiv(meta.max_keys, SPLIT) if meta.max_keys else 0
     if parallel_splits is None:
         parallel_splits = nsplit > 1 and tiles * hkv * nsplit <= PARALLEL_MAX_PROGRAMS and tiles * hkv < FEW_PROGRAMS
     if not parallel_splits or nsplit < 1:
@@ -327,7 +329,7 @@ def precompile(
     """
     d = k_cache.shape[2]
     q = torch.ones((1, hq, d), dtype=k_cache.dtype, device=k_cache.device)
-    blocks = -(-(SPLIT + 1) // block_size)
+    blocks = cdiv(SPLIT + 1, block_size)
     meta = AttentionMeta.build([(0, SPLIT, 1, [0] * blocks)], k_cache.device)
     walked = paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=False)
     return walked, paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=True)
