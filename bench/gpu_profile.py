@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
+from gpu_rows import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core rate (the data sheet's figure without sparsity)
 GROUPS = (

@@ -25,37 +25,18 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from kvwarden.bench.launch import process
+from kvwarden.bench.stats import pct
+
 MAX_TOKENS = 160  # past the acceptance rule's 128-token minimum
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-@contextlib.contextmanager
-def process(cmd: list[str], url: str, log: Path, timeout: float = 180.0) -> Iterator[str]:
-    """Run ``cmd`` (logging to ``log``) until ``url``/health answers 200; stop it on exit."""
-    from kvwarden.probe.launchers import RunningServer
-
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    server = RunningServer(url, proc, log)
-    try:
-        server.wait_ready(timeout)
-        yield url
-    finally:
-        server.stop()
 
 
 def guard_cmd(port: int, backends: list[str], *extra: str) -> list[str]:
@@ -66,6 +47,13 @@ def guard_cmd(port: int, backends: list[str], *extra: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ overhead
+def q(values: list[float], percent: int) -> float:
+    """A percentile of latencies that are always there (each run sends at least one request)."""
+    value = pct(values, percent)
+    assert value is not None, "no latencies measured"
+    return value
+
+
 async def latencies(url: str, count: int, stream: bool) -> list[float]:
     body = {"model": "instant", "prompt": "x", "max_tokens": 16, "stream": stream}
     out = []
@@ -116,12 +104,12 @@ def overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             via = asyncio.run(latencies(guard, args.latency_requests, stream))
             key = "stream" if stream else "json"
             out[key] = {
-                "direct_p50_ms": 1e3 * pct(direct, 0.5),
-                "direct_p99_ms": 1e3 * pct(direct, 0.99),
-                "guard_p50_ms": 1e3 * pct(via, 0.5),
-                "guard_p99_ms": 1e3 * pct(via, 0.99),
-                "added_p50_ms": 1e3 * (pct(via, 0.5) - pct(direct, 0.5)),
-                "added_p99_ms": 1e3 * (pct(via, 0.99) - pct(direct, 0.99)),
+                "direct_p50_ms": 1e3 * q(direct, 50),
+                "direct_p99_ms": 1e3 * q(direct, 99),
+                "guard_p50_ms": 1e3 * q(via, 50),
+                "guard_p99_ms": 1e3 * q(via, 99),
+                "added_p50_ms": 1e3 * (q(via, 50) - q(direct, 50)),
+                "added_p99_ms": 1e3 * (q(via, 99) - q(direct, 99)),
             }
         out["direct_rps"] = asyncio.run(sustained(backend, args.concurrency, args.seconds))
         out["guard_rps"] = asyncio.run(sustained(guard, args.concurrency, args.seconds))

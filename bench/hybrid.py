@@ -29,14 +29,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvwarden import LLM, SamplingParams
+from kvwarden.bench.workloads import random_tokens
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.engine.model_runner import kv_bytes_per_block
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 def prefill_seconds(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -66,24 +63,24 @@ def main() -> None:
 
     # 1. cold prefill throughput
     cold = LLM(args.model, enable_prefix_caching=False, block_size=args.block_size, max_num_batched_tokens=4096)
-    cold.generate([tokens(rng, 32)], ONE)  # warm-up
+    cold.generate([random_tokens(rng, 32, 1000)], ONE)  # warm-up
     table = Table(title=f"cold prefill, {args.model} (canonical numerics)")
     for col in ("prompt tokens", "seconds", "prefill tok/s"):
         table.add_column(col)
     rows = []
     for n in args.lengths:
-        seconds, _ = prefill_seconds(cold, tokens(rng, n))
+        seconds, _ = prefill_seconds(cold, random_tokens(rng, n, 1000))
         rows.append({"tokens": n, "seconds": round(seconds, 4), "tok_s": round(n / seconds, 1)})
         table.add_row(str(n), f"{seconds:.3f}", f"{n / seconds:.1f}")
     console.print(table)
     result["prefill"] = rows
 
     # 2. warm vs cold TTFT on a shared prefix
-    prefix = tokens(rng, args.prefix)
+    prefix = random_tokens(rng, args.prefix, 1000)
     llm = LLM(args.model, block_size=args.block_size, max_num_batched_tokens=4096)
-    t_cold, _ = prefill_seconds(llm, prefix + tokens(rng, 24))
-    t_warm, _ = prefill_seconds(llm, prefix + tokens(rng, 24))
-    warm_out = llm.generate([prefix + tokens(rng, 24)], ONE)[0]
+    t_cold, _ = prefill_seconds(llm, prefix + random_tokens(rng, 24, 1000))
+    t_warm, _ = prefill_seconds(llm, prefix + random_tokens(rng, 24, 1000))
+    warm_out = llm.generate([prefix + random_tokens(rng, 24, 1000)], ONE)[0]
     table = Table(title=f"time to first token, {args.prefix}-token shared prefix")
     for col in ("run", "TTFT s", "cached tokens"):
         table.add_column(col)
@@ -104,7 +101,7 @@ def main() -> None:
     result["memory_per_block"] = {"kv_bytes": kv, "snapshot_bytes": snap}
 
     # 4. chunking rules
-    prompt = tokens(rng, args.rule_prompt)
+    prompt = random_tokens(rng, args.rule_prompt, 1000)
     table = Table(title=f"{args.rule_prompt}-token prompt, budget {args.budget}, block {args.block_size}")
     for col in ("rule", "numerics", "scheduler steps", "prefill s", "prefill tok/s", "states captured"):
         table.add_column(col)
@@ -123,7 +120,7 @@ def main() -> None:
             numerics=numerics,
             speculative_config={"method": "ngram", "num_speculative_tokens": 1},
         )
-        eng.generate([tokens(rng, 16)], ONE)  # warm-up
+        eng.generate([random_tokens(rng, 16, 1000)], ONE)  # warm-up
         seconds, steps = prefill_seconds(eng, prompt)
         captured = eng.engine.states.num_snapshots if eng.engine.states else 0
         rules.append(

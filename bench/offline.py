@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kvwarden.bench import workloads
 
 
 @dataclass
@@ -46,13 +47,10 @@ class Result:
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    out = []
-    for _ in range(args.num_requests):
-        n_in = rng.randint(args.min_input, args.max_input)
-        n_out = rng.randint(args.min_output, args.max_output)
-        out.append(([rng.randrange(3, vocab) for _ in range(n_in)], n_out))
-    return out
+    reqs = workloads.uniform(
+        args.num_requests, (args.min_input, args.max_input), (args.min_output, args.max_output), vocab, args.seed
+    )
+    return [(list(r.prompt), r.max_tokens) for r in reqs]
 
 
 def run_kvwarden(model: str, reqs: list[tuple[list[int], int]], numerics: str, args: argparse.Namespace) -> Result:

@@ -1,14 +1,19 @@
-"""Online serving benchmark against any OpenAI-compatible URL (kvwarden, vLLM, llama.cpp).
+"""Online serving benchmark against any OpenAI-compatible URL (kvwarden, vLLM, SGLang, llama.cpp).
 
 Clients arrive as a Poisson process at --request-rate (``inf``: all at once),
 at most --max-concurrency in flight, each streaming a completion. Measures time
 to first token (TTFT), inter-token latency (ITL, gaps between streamed chunks
-that carry tokens), end-to-end latency and throughput. Prompts are slices of the
-bundled documents (text, so any tokenizer works); token counts come from each
-response's ``usage``.
+that carry tokens), end-to-end latency and throughput; token counts come from
+each response's ``usage``. The workloads (``kvwarden.bench.workloads``):
+
+  documents      text slices of the bundled documents (any tokenizer; the default)
+  nano-vllm      nano-vllm's bench: 256 prompts of 100-1024 random ids, 100-1024 output tokens
+  shared-prefix  --groups system prompts of --prefix-len ids, each shared by --per-group requests
+  multi-turn     --conversations chats of --turns text turns; each turn resends the history
 
     kvwarden serve builtin:llama-small --port 8000 &
     python bench/online.py --url http://127.0.0.1:8000 --num-requests 32 --request-rate 4
+    python bench/online.py --url http://127.0.0.1:8000 --workload shared-prefix --groups 4 --per-group 8
 
 Prints a table and ends with one JSON line.
 """
@@ -18,172 +23,131 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import statistics
 import sys
-import time
-from dataclasses import dataclass, field
 
 import httpx
 
+from kvwarden.bench import workloads
+from kvwarden.bench.stats import latency_ms
+from kvwarden.bench.stream_client import (
+    StreamResult,
+    completion_body,
+    run_bounded,
+    run_conversation,
+    served_model,
+    stream_completion,
+)
 
-@dataclass
-class Sample:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-
-
-def prompts(args: argparse.Namespace) -> list[tuple[str, int]]:
-    from kvwarden.models.bundled import documents
-
-    rng = random.Random(args.seed)
-    words = " ".join(d.text for d in documents()).split()
-    out = []
-    for _ in range(args.num_requests):
-        n_words = rng.randint(args.min_input_words, args.max_input_words)
-        start = rng.randrange(0, max(1, len(words) - n_words))
-        out.append((" ".join(words[start : start + n_words]), rng.randint(args.min_output, args.max_output)))
-    return out
+WORKLOADS = ("documents", "nano-vllm", "shared-prefix", "multi-turn")
 
 
-async def one(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompt: str, max_tokens: int) -> Sample:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
-    start = time.perf_counter()
-    sample = Sample(ok=False)
-    last = None
-    try:
-        async with client.stream("POST", f"{args.url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return sample
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    sample.prompt_tokens = u.get("prompt_tokens", 0)
-                    sample.output_tokens = u.get("completion_tokens", 0)
-                    sample.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-                if any(c.get("text") for c in chunk.get("choices", [])):
-                    if last is None:
-                        sample.ttft = now - start
-                    else:
-                        sample.itl.append(now - last)
-                    last = now
-        sample.e2e = time.perf_counter() - start
-        sample.ok = last is not None
-    except httpx.HTTPError as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-    return sample
+def requests(args: argparse.Namespace) -> list[workloads.Request]:
+    if args.workload == "nano-vllm":
+        return workloads.nano_vllm(args.num_requests, vocab=args.vocab)
+    if args.workload == "shared-prefix":
+        return workloads.shared_prefix(
+            args.groups, args.per_group, args.prefix_len, args.suffix_len, args.max_output, args.vocab, args.seed
+        )
+    return workloads.documents(
+        args.num_requests,
+        (args.min_input_words, args.max_input_words),
+        (args.min_output, args.max_output),
+        args.seed,
+    )
 
 
-async def run(args: argparse.Namespace) -> tuple[list[Sample], float]:
+async def run(args: argparse.Namespace) -> tuple[list[StreamResult], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
-        model = args.model or (await client.get(f"{args.url}/v1/models")).json()["data"][0]["id"]
-        work = prompts(args)
-        rng = random.Random(args.seed + 1)
-        gate = asyncio.Semaphore(args.max_concurrency)
+        model = args.model or await served_model(client, args.url)
+        if args.workload == "multi-turn":
+            convs = workloads.multi_turn(args.conversations, args.turns, args.turn_words, args.max_output, args.seed)
 
-        async def guarded(prompt: str, n: int) -> Sample:
-            async with gate:
-                return await one(client, args, model, prompt, n)
+            async def chat(conv: workloads.Conversation) -> list[StreamResult]:
+                return await run_conversation(client, args.url, model, conv)
 
-        tasks = []
-        start = time.perf_counter()
-        for prompt, n in work:
-            tasks.append(asyncio.create_task(guarded(prompt, n)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        samples = await asyncio.gather(*tasks)
-        return list(samples), time.perf_counter() - start
+            per_conv, wall = await run_bounded(convs, chat, args.max_concurrency, args.request_rate, args.seed + 1)
+            return [r for conv in per_conv for r in conv], wall
+
+        async def send(req: workloads.Request) -> StreamResult:
+            return await stream_completion(client, args.url, completion_body(model, req.prompt, req.max_tokens))
+
+        return await run_bounded(requests(args), send, args.max_concurrency, args.request_rate, args.seed + 1)
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
-
-
-def main() -> None:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--workload", choices=WORKLOADS, default="documents")
+    p.add_argument("--num-requests", type=int, default=32, help="documents and nano-vllm workloads")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf = all at once)")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--min-input-words", type=int, default=50)
     p.add_argument("--max-input-words", type=int, default=300)
     p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=64, help="also the output of shared-prefix and multi-turn")
+    p.add_argument("--vocab", type=int, default=1000, help="random ids are drawn below this (token-id workloads)")
+    p.add_argument("--groups", type=int, default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--per-group", type=int, default=8, help="shared-prefix: requests per prefix")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: tokens each request adds")
+    p.add_argument("--conversations", type=int, default=8, help="multi-turn: chats")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per chat")
+    p.add_argument("--turn-words", type=int, default=80, help="multi-turn: words per user turn")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.request_rate <= 0:
         p.error("--request-rate must be > 0")
+    if args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    for low, high in (("min_input_words", "max_input_words"), ("min_output", "max_output")):
+        if args.workload == "documents" and not 0 < getattr(args, low) <= getattr(args, high):
+            flags = f"--{low.replace('_', '-')} {getattr(args, low)}, --{high.replace('_', '-')} {getattr(args, high)}"
+            p.error(f"{flags}: need 0 < min <= max")
+    args.url = args.url.rstrip("/")
+    return args
+
+
+def main() -> None:
+    args = parse()
     samples, wall = asyncio.run(run(args))
     ok = [s for s in samples if s.ok]
     failed = [s for s in samples if not s.ok]
     ttft = [s.ttft for s in ok]
-    itl = [x for s in ok for x in s.itl]
+    itl = [x for s in ok for x in s.gaps]
     e2e = [s.e2e for s in ok]
     out_tokens = sum(s.output_tokens for s in ok)
+    figures = {"ttft": latency_ms(ttft), "itl": latency_ms(itl), "e2e": latency_ms(e2e)}
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"online benchmark: {args.url} ({len(ok)}/{len(samples)} ok, {wall:.1f}s)")
+    title = f"online benchmark: {args.url}, {args.workload} ({len(ok)}/{len(samples)} ok, {wall:.1f}s)"
+    table = Table(title=title)
     for col in ("metric", "mean ms", "p50 ms", "p90 ms", "p99 ms"):
         table.add_column(col)
-    for name, values in (("TTFT", ttft), ("ITL", itl), ("E2E", e2e)):
-        mean = statistics.fmean(values) if values else float("nan")
-        table.add_row(name, *(f"{v * 1000:.1f}" for v in (mean, pct(values, 50), pct(values, 90), pct(values, 99))))
+    for name, key in (("TTFT", "ttft"), ("ITL", "itl"), ("E2E", "e2e")):
+        row = figures[key]
+        table.add_row(name, *(f"{row.get(k, float('nan')):.1f}" for k in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")))
     console = Console(file=sys.stderr, width=120)
     console.print(table)
+    prompt_tokens, cached = sum(s.prompt_tokens for s in ok), sum(s.cached_tokens for s in ok)
     console.print(
         f"throughput: {len(ok) / wall:.2f} req/s, {out_tokens / wall:.1f} output tok/s; "
-        f"prompt tokens {sum(s.prompt_tokens for s in ok)}, cached {sum(s.cached_tokens for s in ok)}"
+        f"prompt tokens {prompt_tokens}, cached {cached}"
     )
     for s in failed[:5]:
-        console.print(f"[red]failed:[/red] {s.error}")
-
-    def stats(values: list[float]) -> dict[str, float]:
-        if not values:
-            return {}
-        return {
-            k: round(v * 1000, 2)
-            for k, v in (
-                ("mean_ms", statistics.fmean(values)),
-                ("p50_ms", pct(values, 50)),
-                ("p90_ms", pct(values, 90)),
-                ("p99_ms", pct(values, 99)),
-            )
-        }
-
+        console.print(f"[red]failed:[/red] {s.error}", highlight=False)
     print(
         json.dumps(
             {
                 "benchmark": "online",
                 "url": args.url,
+                "workload": args.workload,
                 "requests": len(samples),
                 "completed": len(ok),
                 "failed": len(failed),
@@ -192,9 +156,9 @@ def main() -> None:
                 "duration_s": round(wall, 3),
                 "request_throughput": round(len(ok) / wall, 3),
                 "output_tok_s": round(out_tokens / wall, 2),
-                "ttft": stats(ttft),
-                "itl": stats(itl),
-                "e2e": stats(e2e),
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached,
+                **figures,
             }
         )
     )

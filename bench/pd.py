@@ -35,20 +35,20 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
 
-from kvwarden.probe.launchers import KvwardenLauncher, RunningServer, ServerSettings, log_tail
+from kvwarden.bench import workloads
+from kvwarden.bench.launch import kvwarden_servers
+from kvwarden.bench.stats import fmt, ms, pct
+from kvwarden.bench.stream_client import StreamResult, completion_body, run_bounded, served_model, stream_completion
+from kvwarden.bench.workloads import Request, random_tokens
+from kvwarden.probe.launchers import RunningServer, ServerSettings, log_tail
 
-TOKEN_LOW, TOKEN_HIGH = 3, 1000  # random prompt ids are drawn from [TOKEN_LOW, TOKEN_HIGH)
+VOCAB = 1000  # random prompt ids are drawn from [3, VOCAB): every built-in model has at least this many
 NOTE = (
     "2 CPU cores: these figures show the overhead of disaggregation (an extra HTTP hop, the KV copy over "
     "loopback TCP), not its benefit, which needs prefill and decode on separate accelerators."
@@ -57,133 +57,11 @@ NOTE = (
 console = Console(stderr=True, width=120)
 
 
-# ------------------------------------------------------------------ servers
-@contextmanager
-def servers(args: argparse.Namespace, roles: list[tuple[str, str]]) -> Iterator[dict[str, RunningServer]]:
-    """One ``kvwarden serve`` per (name, role), ready before the next starts; all stopped on exit."""
-    run_dir = Path(tempfile.mkdtemp(prefix="kvwarden-pd-bench-"))
-    started: dict[str, RunningServer] = {}
-    try:
-        for name, role in roles:
-            extra = ("--role", role, "--disable-log-requests", *args.server_arg)
-            settings = ServerSettings(device=args.device, dtype=args.dtype, extra_args=extra)
-            started[name] = KvwardenLauncher().start(args.model, settings, run_dir, name)
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
-
-
-# ------------------------------------------------------------------ workload
-@dataclass(frozen=True)
-class Work:
-    kind: str  # "long_prompt" or "long_gen"
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Sample:
-    kind: str
-    ok: bool = False
-    ttft: float = 0.0
-    itl: float | None = None  # mean seconds per token after the first
-    e2e: float = 0.0
-    text: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length)]
-
-
-def span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(",")
-    return int(lo), int(hi or lo)
-
-
-def workload(args: argparse.Namespace, rng: random.Random) -> list[Work]:
-    """``--num-requests`` requests, half long prompts, half long generations, shuffled."""
-    long_lo, long_hi = span(args.long_prompt)
-    short_lo, short_hi = span(args.short_prompt)
-    n_long = args.num_requests // 2
-    work = [
-        Work("long_prompt", random_prompt(rng, rng.randint(long_lo, long_hi)), args.short_output) for _ in range(n_long)
-    ]
-    work += [
-        Work("long_gen", random_prompt(rng, rng.randint(short_lo, short_hi)), args.long_output)
-        for _ in range(args.num_requests - n_long)
-    ]
-    rng.shuffle(work)
-    return work
-
-
-def body(work: Work, prefill_url: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "model": "bench",  # replaced by the served name
-        "prompt": work.prompt,
-        "max_tokens": work.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if prefill_url is not None:
-        out["kv_transfer_params"] = {"prefill_url": prefill_url}
-    return out
-
-
-async def one(client: httpx.AsyncClient, url: str, model: str, work: Work, prefill_url: str | None) -> Sample:
-    """Stream one completion; times from send to the first and last token chunks."""
-    payload = body(work, prefill_url) | {"model": model}
-    sample = Sample(work.kind)
-    first: float | None = None
-    last = 0.0
-    parts: list[str] = []
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=payload) as resp:
-            if resp.status_code != 200:
-                sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:400]!r}"
-                return sample
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if "error" in chunk:
-                    sample.error = f"stream error: {json.dumps(chunk['error'])[:400]}"
-                    return sample
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    sample.prompt_tokens = u.get("prompt_tokens", 0)
-                    sample.output_tokens = u.get("completion_tokens", 0)
-                    sample.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-                for choice in chunk.get("choices", []):  # every choice chunk carries new tokens (or the end)
-                    parts.append(choice.get("text") or "")
-                    if first is None:
-                        first = now
-                    last = now
-    except httpx.HTTPError as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-        return sample
-    sample.e2e = time.perf_counter() - start
-    if first is None:
-        sample.error = "no token streamed"
-        return sample
-    sample.ok = True
-    sample.ttft = first - start
-    if sample.output_tokens > 1:
-        sample.itl = (last - first) / (sample.output_tokens - 1)
-    sample.text = "".join(parts)
-    return sample
-
-
-async def model_name(client: httpx.AsyncClient, url: str) -> str:
-    return (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+# ------------------------------------------------------------------ requests
+async def one(client: httpx.AsyncClient, url: str, model: str, req: Request, prefill_url: str | None) -> StreamResult:
+    """Stream one completion, to ``url`` alone or with ``prefill_url`` computing its prompt."""
+    extra = {"kv_transfer_params": {"prefill_url": prefill_url}} if prefill_url is not None else {}
+    return await stream_completion(client, url, completion_body(model, req.prompt, req.max_tokens, **extra))
 
 
 async def pd_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
@@ -191,36 +69,20 @@ async def pd_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
 
 
 async def run_concurrent(
-    client: httpx.AsyncClient, url: str, model: str, work: list[Work], concurrency: int, prefill_url: str | None
-) -> tuple[list[Sample], float]:
-    gate = asyncio.Semaphore(concurrency)
+    client: httpx.AsyncClient, url: str, model: str, work: list[Request], concurrency: int, prefill_url: str | None
+) -> tuple[list[StreamResult], float]:
+    async def send(req: Request) -> StreamResult:
+        return await one(client, url, model, req, prefill_url)
 
-    async def guarded(w: Work) -> Sample:
-        async with gate:
-            return await one(client, url, model, w, prefill_url)
-
-    start = time.perf_counter()
-    samples = await asyncio.gather(*(guarded(w) for w in work))
-    return list(samples), time.perf_counter() - start
+    return await run_bounded(work, send, concurrency)
 
 
 # ------------------------------------------------------------------ figures
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
-
-
-def ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000, 2)
-
-
-def summary(samples: list[Sample], kind: str) -> dict[str, Any]:
-    mine = [s for s in samples if s.kind == kind]
+def summary(work: list[Request], samples: list[StreamResult], kind: str) -> dict[str, Any]:
+    mine = [s for w, s in zip(work, samples, strict=True) if w.kind == kind]
     ok = [s for s in mine if s.ok]
     ttft = [s.ttft for s in ok]
-    itl = [s.itl for s in ok if s.itl is not None]
+    itl = [x for s in ok if (x := s.itl_mean) is not None]
     e2e = [s.e2e for s in ok]
     return {
         "requests": len(mine),
@@ -240,15 +102,11 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]
     return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("orders", "done", "failed", "bytes")}
 
 
-def fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 # ------------------------------------------------------------------ phases
 async def warm_up(client: httpx.AsyncClient, srv: dict[str, RunningServer], model: str, rng: random.Random) -> None:
     """One small request each way, so neither side's first request pays one-time costs in the figures."""
     for url, prefill_url in ((srv["single"].url, None), (srv["decode"].url, srv["prefill"].url)):
-        s = await one(client, url, model, Work("warm", random_prompt(rng, 128), 4), prefill_url)
+        s = await one(client, url, model, Request(random_tokens(rng, 128, VOCAB), 4), prefill_url)
         if not s.ok:
             raise RuntimeError(f"warm-up request to {url} failed: {s.error}")
 
@@ -257,12 +115,12 @@ async def alone(
     client: httpx.AsyncClient, srv: dict[str, RunningServer], model: str, args: argparse.Namespace, rng: random.Random
 ) -> dict[str, Any]:
     """Long prompts one at a time, each to the single server and disaggregated: TTFT difference and bytes."""
-    length = span(args.long_prompt)[1]
+    length = workloads.span(args.long_prompt)[1]
     pairs: list[dict[str, Any]] = []
     moved = 0
     for i in range(args.alone):
         # One prompt for both: they are different servers, and it is in neither's cache.
-        work = Work("alone", random_prompt(rng, length), 1)
+        work = Request(random_tokens(rng, length, VOCAB), 1, "alone")
         before = await pd_stats(client, srv["decode"].url)
         if i % 2 == 0:  # alternate which goes first, so drift does not favour one side
             single = await one(client, srv["single"].url, model, work, None)
@@ -306,10 +164,18 @@ async def alone(
 
 async def bench(args: argparse.Namespace, srv: dict[str, RunningServer]) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    work = workload(args, rng)
+    work = workloads.mixed(
+        args.num_requests,
+        workloads.span(args.long_prompt),
+        args.short_output,
+        workloads.span(args.short_prompt),
+        args.long_output,
+        VOCAB,
+        rng,
+    )
     limits = httpx.Limits(max_connections=max(8, args.concurrency + 2))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        model = await model_name(client, srv["single"].url)
+        model = await served_model(client, srv["single"].url)
         await warm_up(client, srv, model, rng)
         console.print(f"[pd bench] single server: {len(work)} requests at concurrency {args.concurrency} ...")
         single, single_wall = await run_concurrent(client, srv["single"].url, model, work, args.concurrency, None)
@@ -331,11 +197,11 @@ async def bench(args: argparse.Namespace, srv: dict[str, RunningServer]) -> dict
     return {
         "single": {
             "wall_s": round(single_wall, 3),
-            **{k: summary(single, k) for k in ("long_prompt", "long_gen")},
+            **{k: summary(work, single, k) for k in ("long_prompt", "long_gen")},
         },
         "disaggregated": {
             "wall_s": round(disagg_wall, 3),
-            **{k: summary(disagg, k) for k in ("long_prompt", "long_gen")},
+            **{k: summary(work, disagg, k) for k in ("long_prompt", "long_gen")},
             "transfers": moved["done"],
             "transfers_failed": moved["failed"],
             "orders": moved["orders"],
@@ -404,6 +270,11 @@ def parse_args() -> argparse.Namespace:
         args.num_requests, args.long_prompt, args.long_output, args.alone = 8, "256,512", 32, 2
     if args.num_requests < 2 or args.concurrency < 1 or args.alone < 0:
         p.error("--num-requests must be >= 2, --concurrency >= 1, --alone >= 0")
+    for flag in ("long_prompt", "short_prompt"):
+        try:
+            workloads.span(getattr(args, flag))
+        except ValueError as exc:
+            p.error(f"--{flag.replace('_', '-')}: {exc}")
     return args
 
 
@@ -411,9 +282,14 @@ def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews CPU figures
-    roles = [("single", "both"), ("prefill", "prefill"), ("decode", "decode")]
+    roles = {"single": "both", "prefill": "prefill", "decode": "decode"}
+    common = ("--disable-log-requests", *args.server_arg)
+    settings = {
+        name: ServerSettings(device=args.device, dtype=args.dtype, extra_args=("--role", role, *common))
+        for name, role in roles.items()
+    }
     console.print(f"[pd bench] starting single, prefill and decode servers of {args.model} ({args.device}) ...")
-    with servers(args, roles) as srv:
+    with kvwarden_servers(args.model, settings) as srv:
         console.print("  " + ", ".join(f"{name} {s.url}" for name, s in srv.items()))
         try:
             result = asyncio.run(bench(args, srv))

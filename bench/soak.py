@@ -220,19 +220,17 @@ def main() -> int:
     if args.url:
         result = asyncio.run(soak(args, args.url.rstrip("/")))
     else:
-        from kvwarden.probe.launchers import KvwardenLauncher, ServerSettings
+        from kvwarden.bench.launch import kvwarden_servers
+        from kvwarden.probe.launchers import ServerSettings
 
         extra = ("--max-num-seqs", str(args.concurrency), "--max-waiting", str(4 * args.concurrency))
         settings = ServerSettings(extra_args=(*extra, "--disable-log-requests"))
-        with tempfile.TemporaryDirectory() as tmp:
-            server = KvwardenLauncher().start(args.model, settings, Path(tmp), "soak")
-            try:
-                rss_start = rss_mib(server.process.pid)
-                result = asyncio.run(soak(args, server.url))
-                result["rss_mib_start"] = round(rss_start, 1)
-                result["rss_mib_end"] = round(rss_mib(server.process.pid), 1)
-            finally:
-                server.stop()
+        with tempfile.TemporaryDirectory() as tmp, kvwarden_servers(args.model, {"soak": settings}, Path(tmp)) as srv:
+            server = srv["soak"]
+            rss_start = rss_mib(server.process.pid)
+            result = asyncio.run(soak(args, server.url))
+            result["rss_mib_start"] = round(rss_start, 1)
+            result["rss_mib_end"] = round(rss_mib(server.process.pid), 1)
     zero = ("5xx", "leaked_kv_blocks", "leaked_state_slots", "requests_left_running", "replays_differing")
     print(f"Soak: {result['requests']} requests at concurrency {result['concurrency']} in {result['seconds']} s")
     print("| outcome | requests |\n|---|---|")

@@ -8,8 +8,9 @@ import torch
 from rich.progress import Progress
 
 from kvwarden.config import CacheConfig, EngineConfig, NumericsConfig, SchedulerConfig, SpeculativeConfig
-from kvwarden.engine.llm_engine import LLMEngine, Prompt
+from kvwarden.engine.llm_engine import LLMEngine
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.prompt_ids import Prompt
 from kvwarden.engine.sampling_params import SamplingParams
 
 

@@ -23,6 +23,7 @@ from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.memory import cache_budget
 from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.prompt_ids import Prompt, prompt_ids
 from kvwarden.engine.remote_kv import RemoteKV
 from kvwarden.engine.request import Request, Status
 from kvwarden.engine.sampler import RowTops, row_math_for
@@ -33,7 +34,6 @@ from kvwarden.engine.spec.verify import verify
 from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
 from kvwarden.engine.stop import update_text_and_check_stop
-from kvwarden.intmath import cdiv
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
@@ -41,7 +41,6 @@ from kvwarden.models.sources import resolve_model
 if TYPE_CHECKING:
     from kvwarden.engine.faults import FaultInjector
 
-Prompt = str | list[int]
 log = logging.getLogger(__name__)
 
 
@@ -139,30 +138,8 @@ class LLMEngine:
             ValueError: naming ``prompt`` for empty prompts, ids outside the
                 vocabulary, or prompts that leave no room to generate.
         """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ValueError("prompt: token ids must be integers")
-        else:
-            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len is {self.max_model_len})"
-            )
-        blocks = cdiv(len(ids) + 1, self.config.cache.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(f"prompt: needs {blocks} KV blocks but the cache has {self.num_blocks}")
-        return ids
+        vocab, block_size = self.model_config.vocab_size, self.config.cache.block_size
+        return prompt_ids(prompt, self.tokenizer, vocab, self.max_model_len, block_size, self.num_blocks)
 
     def add_request(
         self,

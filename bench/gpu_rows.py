@@ -1,0 +1,272 @@
+"""The measurements behind ``bench/gpu.py``, each run by it in a fresh process (``--part``).
+
+Offline throughput on nano-vllm's shape, decode tok/s per batch, time to first
+token cold and warm, MTP speculation on/off and a kernel profile; plus the
+machine facts the driver sets them against (copy bandwidth, weight and KV bytes,
+the workload's bandwidth floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvwarden.bench import workloads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline import run_kvwarden, run_transformers
+
+NUMERICS = {"canonical": "canonical", "fast": "shape-dependent", "canonical-eager": "canonical"}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), median of 10."""
+    n = (1 << 30) // 2 if device == "cuda" else (1 << 26)
+    src = torch.randn(n, dtype=torch.float16 if device == "cuda" else torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(11):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / sorted(times[1:])[5]
+
+
+def model_bytes(model: str) -> tuple[int, int]:
+    """(bytes of weights a decode step reads, KV bytes per token) from the checkpoint and its config."""
+    from kvwarden.models.sources import resolve_model
+
+    path = resolve_model(model)
+    cfg = json.loads((path / "config.json").read_text())
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    width = 2 if cfg.get("torch_dtype", "bfloat16") in ("bfloat16", "float16") else 4
+    if not cfg.get("tie_word_embeddings", False):  # the embedding table is looked up, not read whole
+        total -= cfg["vocab_size"] * cfg["hidden_size"] * width
+    layer_types = cfg.get("layer_types")
+    layers = cfg["num_hidden_layers"]
+    attn = sum(1 for t in layer_types if t in ("full_attention", "attention")) if layer_types else layers
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = attn * 2 * cfg["num_key_value_heads"] * head_dim * 2  # bf16 K and V
+    return total, kv_per_token
+
+
+def vocab_of(model: str) -> int:
+    from kvwarden.models.sources import resolve_model
+
+    return json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"]
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """nano-vllm's shape: prompts and outputs both uniform in [lo, hi] (``kvwarden.bench.workloads.uniform``)."""
+    return [(list(r.prompt), r.max_tokens) for r in workloads.uniform(n, (lo, hi), (lo, hi), vocab, seed)]
+
+
+def floor_seconds(reqs: list[tuple[list[int], int]], weights: int, kv_per_token: int, bw: float, seqs: int) -> float:
+    """Decode steps of the workload with ``seqs`` running at once, each reading the weights and every KV."""
+    pending = sorted(((len(p), n) for p, n in reqs), key=lambda r: -r[1])
+    running: list[list[int]] = []  # [context, left]
+    total = 0.0
+    while pending or running:
+        while pending and len(running) < seqs:
+            ctx, n = pending.pop()
+            running.append([ctx, n])
+        total += (weights + kv_per_token * sum(ctx for ctx, _ in running)) / bw
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+    return total
+
+
+def block_size_for(model: str) -> int:
+    """16 for dense models; 256 for hybrids, whose every block carries a boundary state (18 MB per block on
+    qwen3_next-0.6b against 3 MB of KV at 256 tokens): as vLLM raises a hybrid's block size to its state's page."""
+    from kvwarden.models.sources import resolve_model
+
+    types = json.loads((resolve_model(model) / "config.json").read_text()).get("layer_types") or []
+    return 256 if any(t in ("linear_attention", "mamba") for t in types) else 16
+
+
+def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
+    from kvwarden import LLM
+
+    kw.setdefault("enforce_eager", args.engine == "canonical-eager")
+    kw.setdefault("block_size", block_size_for(model))
+    return LLM(model, device=args.device, dtype=args.dtype, numerics=numerics, **kw)
+
+
+def decode_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[str]) -> list[dict[str, Any]]:
+    from kvwarden import SamplingParams
+
+    rows = []
+    steps = 32
+    for name in engines:
+        numerics = NUMERICS[name]
+        engine = llm(model, args, numerics, max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False)
+        rng = random.Random(1)
+        engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
+        for batch in args.batches:
+            prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(batch)]
+            t = []
+            for max_tokens in (1, 1 + steps):  # the difference is the decode steps; best of two each
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                best = float("inf")
+                for _ in range(2):
+                    sync(args.device)
+                    t0 = time.perf_counter()
+                    engine.generate(prompts, params)
+                    sync(args.device)
+                    best = min(best, time.perf_counter() - t0)
+                t.append(best)
+            graphs = engine.engine.runner.graphs
+            captured = bool(graphs is not None and graphs.graphs)
+            rows.append(
+                {
+                    "model": model,
+                    "engine": name,
+                    "batch": batch,
+                    "decode_tok_s": batch * steps / (t[1] - t[0]),
+                    "graphs": captured,
+                    "capture_error": graphs.capture_error if graphs is not None else None,
+                }
+            )
+        del engine
+    return rows
+
+
+def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[str]) -> list[dict[str, Any]]:
+    from kvwarden import SamplingParams
+
+    rows = []
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for name in engines:
+        numerics = NUMERICS[name]
+        # Half the card: the fast path's attention builds a dense mask for a 16K prompt (8 GiB).
+        engine = llm(
+            model, args, numerics, max_num_batched_tokens=8192, max_model_len=max(args.prompts) + 64,
+            gpu_memory_utilization=0.5,
+        )  # fmt: skip
+        rng = random.Random(2)
+        # Warm-up that compiles every kernel the timed runs use: a cold prompt past one attention split
+        # and its prefix hit (the parallel-split launch), so no row pays a first-use compile.
+        warm = [rng.randrange(3, vocab) for _ in range(min(1100, max(args.prompts)))]
+        engine.generate([warm + [7] * 16, warm + [9] * 16], one)
+        for length in args.prompts:
+            prefix = [rng.randrange(3, vocab) for _ in range(length)]
+
+            def timed(prompt: list[int], engine: Any = engine) -> float:
+                sync(args.device)
+                t0 = time.perf_counter()
+                engine.generate([prompt], one)
+                sync(args.device)
+                return time.perf_counter() - t0
+
+            cold = timed(prefix + [7] * 16)
+            warm = timed(prefix + [9] * 16)  # the prefix's blocks are cached now
+            rows.append({"model": model, "engine": name, "prompt": length, "cold_s": cold, "warm_s": warm})
+        del engine
+    return rows
+
+
+def spec_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """Greedy decode with the MTP head proposing 2 tokens against speculation off: speed and equality."""
+    from kvwarden import SamplingParams
+
+    rows = []
+    prompts_all = [[random.Random(i).randrange(3, vocab) for _ in range(128)] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
+    outs: dict[str, Any] = {}
+    for name, spec in (("off", None), ("on", {"method": "mtp", "num_speculative_tokens": 2})):
+        engine = llm(model, args, "canonical", max_num_seqs=64, enable_prefix_caching=False, speculative_config=spec)
+        engine.generate([[5] * 8], SamplingParams(max_tokens=4))
+        for batch in (1, 16):
+            sync(args.device)
+            t0 = time.perf_counter()
+            got = engine.generate(prompts_all[:batch], params)
+            sync(args.device)
+            outs[name, batch] = (time.perf_counter() - t0, [(o.token_ids, o.logprobs) for o in got])
+        stats = engine.engine.stats()
+        outs[name, "accept"] = 1 + stats["spec_num_accepted_tokens"] / max(stats["spec_num_drafts"], 1)
+        del engine
+    for batch in (1, 16):
+        n = batch * 64
+        rows.append(
+            {
+                "batch": batch,
+                "off_tok_s": n / outs["off", batch][0],
+                "on_tok_s": n / outs["on", batch][0],
+                "accept_length": outs["on", "accept"],
+                "identical": outs["off", batch][1] == outs["on", batch][1],
+            }
+        )
+    return rows
+
+
+def profile_steps(model: str, args: argparse.Namespace, vocab: int, batch: int, prompt: int) -> str:
+    """Kernel-time table of a prefill step and the decode steps after it (torch.profiler, canonical)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvwarden import SamplingParams
+
+    # Eager, so that each kernel is attributed to its launch (a graph replays the same kernels).
+    engine = llm(
+        model, args, "canonical", max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False,
+        enforce_eager=True,
+    )  # fmt: skip
+    rng = random.Random(3)
+    engine.generate([[5] * 8], SamplingParams(max_tokens=2))
+    core = engine.engine
+    for _ in range(batch):
+        core.add_request(
+            [rng.randrange(3, vocab) for _ in range(prompt)], SamplingParams(max_tokens=9, ignore_eos=True)
+        )
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        while core.has_unfinished_requests():
+            core.step()
+        sync(args.device)
+    key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=18)
+
+
+def run_part(args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement in this process (the driver runs each in a fresh process: its memory dies with it)."""
+    lo, hi = (16, 48) if args.quick else (100, 1024)
+    vocab = min(vocab_of(args.model), 8192)
+    numerics = NUMERICS.get(args.engine, "canonical")
+    if args.part == "offline":
+        reqs = workload(args.num_requests, lo, hi, vocab)
+        ns = argparse.Namespace(
+            device=args.device,
+            dtype=args.dtype,
+            max_input=hi,
+            max_output=hi,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            hf_batch=args.num_requests,
+            block_size=block_size_for(args.model),
+        )
+        r = run_transformers(args.model, reqs, ns.hf_batch, ns) if args.engine == "transformers" else None
+        r = r or run_kvwarden(args.model, reqs, numerics, ns)
+        return {"engine": args.engine, "output_tok_s": r.output_tok_s, "seconds": r.seconds}
+    if args.part == "decode":
+        return {"rows": decode_rows(args.model, args, vocab, [args.engine])}
+    if args.part == "ttft":
+        return {"rows": ttft_rows(args.model, args, vocab, [args.engine])}
+    if args.part == "spec":
+        return {"rows": spec_rows(args.model, args, vocab)}
+    return {"table": profile_steps(args.model, args, vocab, batch=16, prompt=512)}
