@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwarden.probe.fingerprint import fingerprint
+from kvwarden.probe.suite import answer_key, is_correct, parse_answer
 
 
 def _exact(tops: list[list[list[Any]]]) -> list[list[tuple[Any, bytes]]]:
@@ -79,5 +80,52 @@ def check_run(run_dir: Path, code: int, summary: dict[str, Any]) -> dict[str, di
         assert summary["cross_arm"] == expected_cross, f"cross-arm {summary['cross_arm']}, records say {expected_cross}"
     arms = summary["arms"]
     expected = 2 if any(a["error"] for a in arms) else (0 if all(a["stable"] for a in arms) else 1)
+    assert code == expected, f"exit status {code}, the records call for {expected}"
+    return facts
+
+
+def check_suite_run(run_dir: Path, code: int, brief: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Assert a ``probe --suite`` run's summary and exit status follow from its raw records: per task, the
+    runs' fingerprints, parsed answers and correctness are recomputed here from the stored text and tops.
+
+    Returns, per arm, its counts (what a measurement records).
+    """
+    lines = (run_dir / "records.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tasks = {t["id"]: t for t in map(json.loads, (run_dir / "tasks.jsonl").read_text().splitlines())}
+    assert brief["arms"] == [{k: v for k, v in a.items() if k != "per_task"} for a in summary["arms"]]
+    facts: dict[str, dict[str, Any]] = {}
+    for arm in summary["arms"]:
+        name = arm["arm"]
+        ends = [r for r in records if r.get("arm") == name and r["type"] in ("arm_done", "arm_error")]
+        assert ends, f"{name}: the arm neither finished nor recorded an error"
+        if ends[-1]["type"] == "arm_error":
+            assert arm["error"] and ends[-1]["error"] in arm["error"], f"{name}: error not reported: {arm}"
+            facts[name] = {"error": ends[-1]["error"].splitlines()[0][:200]}
+            continue
+        runs = [r for r in records if r["type"] == "response" and r["attempt"] == ends[-1]["attempt"]]
+        assert len(arm["per_task"]) == len(tasks), f"{name}: {len(arm['per_task'])} tasks reported"
+        for row in arm["per_task"]:
+            mine = [r for r in runs if r["task"] == row["task"]]
+            assert mine and row["runs"] == len(mine), f"{name}/{row['task']}: runs"
+            for r in mine:
+                fp = fingerprint([[(k, v) for k, v in top] for top in r["tops"]], r["text"])
+                assert r["fingerprint"] == fp.ordered, f"{name}/{row['task']}: fingerprint"
+                assert r["answer"] == parse_answer(r["text"])
+                assert r["correct"] == is_correct(r["answer"], tasks[row["task"]]["expected"])
+            assert row["correct"] == sum(r["correct"] for r in mine)
+            assert row["logits_stable"] == (len({r["fingerprint"] for r in mine}) == 1), f"{name}/{row['task']}"
+            assert row["answers_agree"] == (len({answer_key(r["text"]) for r in mine}) == 1), f"{name}/{row['task']}"
+            assert row["hidden_drift"] == (row["answers_agree"] and not row["logits_stable"])
+        rows = arm["per_task"]
+        assert arm["logits_stable"] == sum(r["logits_stable"] for r in rows)
+        assert arm["same_answers_different_logits"] == sum(r["hidden_drift"] for r in rows)
+        facts[name] = {k: arm[k] for k in ("accuracy", "answers_agree", "logits_stable",
+                                          "same_answers_different_logits", "answers_changed_vs_reference")}  # fmt: skip
+        facts[name]["tasks"] = len(rows)
+    arms = summary["arms"]
+    unstable = any(not r["logits_stable"] for a in arms for r in a.get("per_task", []))
+    expected = 2 if any(a["error"] for a in arms) else (1 if unstable else 0)
     assert code == expected, f"exit status {code}, the records call for {expected}"
     return facts

@@ -37,5 +37,7 @@ def test_demo_tells_the_story_and_writes_every_report(qwen3_next_tiny: Path, tmp
     legacy = json.loads((tmp_path / "legacy-align/shape-dependent/summary.json").read_text())
     assert not next(a for a in legacy["arms"] if a["arm"] == "contaminated")["stable"]
     page = (tmp_path / "report.html").read_text()
-    assert page.count("plotly-graph-div") >= 2 and "<caption>" in page and (tmp_path / "plotly.min.js").is_file()
+    assert page.count("plotly-graph-div") >= 1 and "<caption>" in page and (tmp_path / "plotly.min.js").is_file()
+    # the churn plot, or the sentence that stands in for a plot of zeros
+    assert "candidate-set churn per generated token" in page or "(churn 0)" in page
     assert "(none compared)" not in page

@@ -55,7 +55,9 @@ def test_cli_contamination_on_the_legacy_reproduction_flags_it(hybrid: Path, tmp
     assert len(responses) == 4 + 5 + 4 and all(len(r["tops"][0]) == 20 for r in responses)
     assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # a fresh server per arm, log kept
     page = (tmp_path / "report.html").read_text()
-    assert "UNSTABLE" in page and "candidate-set churn" in page and page.count("plotly-graph-div") >= 2
+    assert "UNSTABLE" in page and page.count("plotly-graph-div") >= 1  # the Δ-logprob plot
+    # the churn plot, or the sentence that stands in for a plot of zeros
+    assert "candidate-set churn per generated token" in page or "(churn 0)" in page
     assert "<script src='plotly.min.js'>" in page and (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
     summary_file = json.loads((tmp_path / "summary.json").read_text())
     assert summary_file == summary and summary["prediction"]["matches"]

@@ -32,7 +32,7 @@ from kvwarden.models.make_model import make_model
 from kvwarden.models.sources import smollm2_path
 from kvwarden.probe.gguf_convert import convert_to_gguf
 from kvwarden.probe.launchers import engines_dir
-from probe_contract import check_run
+from probe_contract import check_run, check_suite_run
 
 pytestmark = pytest.mark.slow
 
@@ -237,3 +237,41 @@ def test_the_guard_in_front_of_vllm_cpu_uses_the_repetition_and_garbage_monitors
         assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
     finally:
         vllm.stop()
+
+
+# The built-in invoice suite, cut to fit CI: 5 tasks on 3 documents, 2 runs each, 3 arms (the full suite's
+# figures are in docs/probe.md).
+SUITE = ["--suite", "invoices-50", "--tasks", "5", "--repeats", "2"]
+
+
+def suite_checked(measure: Measure, name: str, *args: str) -> dict[str, dict[str, Any]]:
+    """Run a suite, check the probe's contract against its records, record what the engine did."""
+    code, brief, out = probe(name, *args)
+    facts = check_suite_run(out, code, brief)
+    measure(name, exit_status=code, **{arm: f for arm, f in facts.items()}, run_dir=out)
+    return facts
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M in Hugging Face format for vLLM: the GGUF's weights, dequantized by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path()
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+def test_the_invoice_suite_on_smollm2_in_kvwarden_and_vllm_cpu(
+    vllm_ready: Path, smollm2_hf: Path, measure: Measure
+) -> None:
+    """Real weights, answers under a JSON schema: accuracy, answer agreement and logit stability per arm.
+    kvwarden's logits are stable in every arm (its contract); vLLM's are a measurement."""
+    facts = suite_checked(measure, "suite-kvwarden-smollm2", "--launcher", "kvwarden", "--model", "smollm2", *SUITE)
+    assert all(f.get("logits_stable") == f.get("tasks") for f in facts.values()), facts
+    args = ["--launcher", "vllm", "--model", str(smollm2_hf), "--block-size", "32", *SUITE]
+    suite_checked(measure, "suite-vllm-cpu-smollm2", *args)

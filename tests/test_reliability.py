@@ -25,7 +25,6 @@ BODY = {"model": "tiny", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 6,
         "logprobs": 20, "return_tokens_as_token_ids": True, "ignore_eos": True}  # fmt: skip
 
 REFUSED = {
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "auto",
     "functions": [{"name": "f", "parameters": {}}],
@@ -36,9 +35,8 @@ REFUSED = {
     "repetition_penalty": 1.2,
     "best_of": 3,
     "suffix": " the end",
-    "guided_json": {"type": "object"},
-    "guided_regex": "[0-9]+",
-    "guided_choice": ["yes", "no"],
+    "guided_whitespace_pattern": "[ ]?",  # vLLM's guided_* options kvwarden does not implement
+    "guided_decoding_backend": "xgrammar",
 }
 HARMLESS = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "presence_penalty": 0.0, "best_of": 1}
 

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvwarden.engine.outputs import RequestOutput
     from kvwarden.engine.sampling_params import SamplingParams
+    from kvwarden.engine.structured.params import StructuredOutputsParams
     from kvwarden.llm import LLM
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 # The public names import torch; loading them on first use keeps `kvwarden --help` instant.
@@ -17,6 +18,7 @@ _LAZY = {
     "LLM": "kvwarden.llm",
     "RequestOutput": "kvwarden.engine.outputs",
     "SamplingParams": "kvwarden.engine.sampling_params",
+    "StructuredOutputsParams": "kvwarden.engine.structured.params",
 }
 
 

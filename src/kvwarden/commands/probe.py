@@ -12,13 +12,18 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
 from kvwarden.config import CHUNKING_RULES, DEVICES, NUMERICS_MODES
 from kvwarden.console import wide_console
 from kvwarden.probe.builtin import BUILTINS
+from kvwarden.probe.invoices import SUITES
 from kvwarden.probe.launchers import LAUNCHERS
+
+if TYPE_CHECKING:
+    from kvwarden.probe.runner import Target
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +40,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scenario", default="contamination", help=f"built-in ({', '.join(BUILTINS)}) or a .yaml/.toml file"
     )
+    p.add_argument(
+        "--suite",
+        help=f"run a task suite instead of a scenario: built-in ({', '.join(SUITES)}) or a .jsonl file "
+        "(docs/probe.md): accuracy, answer agreement and logit stability per task and arm",
+    )
+    p.add_argument("--tasks", type=int, help="--suite: run only the first N tasks")
+    p.add_argument(
+        "--constraint-field",
+        choices=("auto", "response_format", "structured_outputs", "json_schema", "none"),
+        default="auto",
+        help="--suite: how a task's answer schema is sent (auto: llama.cpp's json_schema for --launcher "
+        "llama.cpp, else OpenAI's response_format; none: the prompt alone asks for JSON)",
+    )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--launcher", choices=LAUNCHERS, help="start a fresh server per arm")
     target.add_argument("--url", help="a server that is already running (arms isolated by cache_salt)")
@@ -44,8 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", default="auto", help="'auto' (the model's, when local), a model, or 'none' (text)")
     p.add_argument("--out", type=Path, help="run directory (an existing one resumes); default runs/probe-...")
-    p.add_argument("--repeats", type=int, default=5, help="runs of the measured request per arm")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--repeats", type=int, help="runs of the measured request per arm (default 5; --suite: 3 per task)")
+    p.add_argument("--max-tokens", type=int, help="tokens generated per request (default 8; --suite: 48)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (vLLM's extension)")
     p.add_argument("--a-len", type=int, default=28, help="built-in scenarios: tokens of request A")
     p.add_argument("--b-len", type=int, default=44, help="built-in scenarios: tokens of request B")
@@ -92,13 +110,30 @@ def _tokenizer(spec: str, model: str | None) -> object:
     return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
+def _target(args: argparse.Namespace, model: str | None, tokenizer: object) -> Target:
+    from kvwarden.probe.launchers import make_launcher
+    from kvwarden.probe.runner import Target
+
+    launcher = make_launcher(args.launcher, args.command) if args.launcher else None
+    if launcher is not None and args.ready_timeout:
+        launcher.ready_timeout = args.ready_timeout
+    return Target(
+        launcher=launcher,
+        model=model,
+        url=args.url,
+        served_name=args.served_model_name,
+        api_key=args.api_key,
+        tokenizer=tokenizer,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from kvwarden.probe.builtin import Shape, build
     from kvwarden.probe.crosscheck import CacheCheck
-    from kvwarden.probe.launchers import ServerSettings, make_launcher
+    from kvwarden.probe.launchers import ServerSettings
     from kvwarden.probe.report import print_table
     from kvwarden.probe.results import finish_run
-    from kvwarden.probe.runner import Target, run_probe
+    from kvwarden.probe.runner import run_probe
     from kvwarden.probe.scenario import load_scenario
     from kvwarden.probe.server_info import ServerInfo
 
@@ -120,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
         from kvwarden.models.sources import resolve_model
 
         model = str(resolve_model(model))
+    if args.suite:  # text prompts: no tokenizer needed
+        from kvwarden.commands.probe_suite import run_suite_command
+
+        return run_suite_command(args, settings, _target(args, model, None), model)
     tokenizer = _tokenizer(args.tokenizer, model)
     lengths = "tokens (the model's tokenizer)"
     if tokenizer is None and args.url and args.tokenizer != "none":
@@ -135,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
                 "--shared count WORDS, which the server turns into several times as many tokens",
                 file=sys.stderr,
             )
+    args.repeats = 5 if args.repeats is None else args.repeats
+    args.max_tokens = 8 if args.max_tokens is None else args.max_tokens
     if args.scenario in BUILTINS:
         shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
         scenario = build(
@@ -156,17 +197,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         scenario = load_scenario(args.scenario, settings)
-    launcher = make_launcher(args.launcher, args.command) if args.launcher else None
-    if launcher is not None and args.ready_timeout:
-        launcher.ready_timeout = args.ready_timeout
-    target = Target(
-        launcher=launcher,
-        model=model,
-        url=args.url,
-        served_name=args.served_model_name,
-        api_key=args.api_key,
-        tokenizer=tokenizer,
-    )
+    target = _target(args, model, tokenizer)
     out = args.out or Path("runs") / f"probe-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     console = wide_console(stderr=args.json)  # with --json, stdout carries only the JSON summary

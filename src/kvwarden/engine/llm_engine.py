@@ -34,6 +34,7 @@ from kvwarden.engine.spec.verify import verify
 from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
 from kvwarden.engine.stop import update_text_and_check_stop
+from kvwarden.engine.structured.grammars import Grammars
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
@@ -55,6 +56,7 @@ class LLMEngine:
         self.loaded: LoadedModel = load(resolve_model(config.model), config.dtype, self.ops, config.max_model_len)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)  # compiled on first use
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -186,6 +188,7 @@ class LLMEngine:
             # prompt scores need every position computed here
             remote_prefill=remote_prefill and not (params.prompt_logprobs is not None or capture_logits),
             hold_blocks=hold_blocks,
+            grammar=self.grammars.state(so) if (so := params.structured_outputs) is not None else None,
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -259,7 +262,9 @@ class LLMEngine:
             rows = self.faults.bias(req, rows, drafts)
         pre = [tops[r] for r in row_ids] if tops is not None else None
         # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
-        samples, accepted = verify(rows, drafts, req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre)
+        masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
+        args = (req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre, masks)
+        samples, accepted = verify(rows, drafts, *args)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
         reason = None
@@ -269,6 +274,8 @@ class LLMEngine:
             if req.params.logprobs is not None:
                 req.logprobs.append(sample.top)
             self.generation_tokens_total += 1
+            if req.grammar is not None:
+                req.grammar.accept(sample.token_id)
             reason = update_text_and_check_stop(req, self.tokenizer, self.max_model_len)
             if reason is not None:
                 break

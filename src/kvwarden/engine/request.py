@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvwarden.cache.kv_cache_manager import CacheView
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from kvwarden.engine.structured.state import GrammarState
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -55,6 +59,8 @@ class Request(CacheView):
         hold_blocks: on finishing, the blocks and working state stay allocated
             (a prefill instance still reads them for a transfer) until
             :meth:`kvwarden.engine.remote_kv.RemoteKV.release`.
+        grammar: a structured output's matcher (``None`` without one), advanced
+            by every emitted token.
     """
 
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -77,6 +83,7 @@ class Request(CacheView):
     spec_stats: SpecStats | None = None
     remote_prefill: bool = False
     hold_blocks: bool = False
+    grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -145,11 +145,14 @@ def sample_row(
     position: int,
     math: RowMath | None = None,
     pre: RowTops | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> Sample:
     """Choose the token at ``position`` from one row of float32 logits ``[vocab]``.
 
     ``pre``: the row's log-softmax and top list from :func:`step_tops` (with at
-    least ``params.logprobs`` entries), saving the per-row work.
+    least ``params.logprobs`` entries), saving the per-row work. ``allowed``: a
+    structured output's mask (bool ``[vocab]``); the token is chosen among the
+    allowed ids, the reported logprobs stay the raw distribution's.
     """
     math = math or RowMath()
     row = logits.view(1, -1)
@@ -158,12 +161,34 @@ def sample_row(
         top = top_logprobs(logprobs, params.logprobs or 0)
     else:
         logprobs, top = pre.logprobs, pre.top
-        if pre.token is not None and not params.greedy:
+        if pre.token is not None and not params.greedy and allowed is None:
             return Sample(token_id=pre.token, logprob=float(logprobs[pre.token]), top=top[: params.logprobs or 0])
+    if allowed is not None:
+        return _masked(row[0], allowed, logprobs, top, params, seed, position, math)
     if params.greedy:
         token = top[0][0]
         return Sample(token_id=token, logprob=top[0][1], top=top[: params.logprobs or 0])
     token = _draw(row[0], params, seed, position, math)
+    return Sample(token_id=token, logprob=float(logprobs[token]), top=top[: params.logprobs or 0])
+
+
+def _masked(
+    row: torch.Tensor,
+    allowed: torch.Tensor,
+    logprobs: torch.Tensor,
+    top: TopLogprobs,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    math: RowMath,
+) -> Sample:
+    """The choice among allowed ids: the greedy maximum (ties to the lowest id, as unmasked) or the seeded
+    draw from the masked distribution (forbidden ids get probability 0, the rest renormalise)."""
+    masked = row.masked_fill(~allowed, float("-inf"))
+    if params.greedy:
+        token = int(torch.argmax(masked))  # the first maximum: the lowest id among equals
+    else:
+        token = _draw(masked, params, seed, position, math)
     return Sample(token_id=token, logprob=float(logprobs[token]), top=top[: params.logprobs or 0])
 
 
@@ -187,8 +212,8 @@ def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int
 
 
 def batchable(params: SamplingParams) -> bool:
-    """Seeded sampling with temperature only: :func:`draw_rows` draws it for many rows at once."""
-    return not params.greedy and params.top_k <= 0 and params.top_p >= 1.0
+    """Seeded sampling with temperature only (no grammar mask): :func:`draw_rows` draws it for many rows at once."""
+    return not params.greedy and params.top_k <= 0 and params.top_p >= 1.0 and params.structured_outputs is None
 
 
 def draw_rows(

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvwarden.engine.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -24,6 +26,7 @@ class _Fields:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class SamplingParams(_Fields):
@@ -45,6 +48,9 @@ class SamplingParams(_Fields):
             token, 0 <= k <= 20 (the sampled token is always included).
         prompt_logprobs: the same for every prompt position (disables prefix hits
             for this request, since cached positions produce no logits).
+        structured_outputs: what the text must match (JSON schema, regex, choice,
+            grammar); the request ends when the grammar is complete, so it cannot be
+            combined with ``ignore_eos`` or ``min_tokens``.
 
     Raises:
         ValueError: naming the field, for unknown fields or out-of-range values.
@@ -93,6 +99,20 @@ class SamplingParams(_Fields):
                 raise ValueError(f"stop must contain non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t)
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+        # The grammar decides where the text ends (it allows only EOS once complete): generating past
+        # it or forbidding the end until some length would contradict the constraint, so refuse both.
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_outputs (the grammar ends the output)")
+        if self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar ends the output)")
 
     @property
     def greedy(self) -> bool:

@@ -42,7 +42,7 @@ class ArmSummary:
         return d
 
 
-def _latest(records: list[dict[str, Any]], arm: str) -> tuple[str | None, str | None]:
+def latest_attempt(records: list[dict[str, Any]], arm: str) -> tuple[str | None, str | None]:
     """(attempt whose arm finished, error of the last failed attempt)."""
     done = [r["attempt"] for r in records if r.get("arm") == arm and r.get("type") == "arm_done"]
     errors = [r for r in records if r.get("arm") == arm and r.get("type") == "arm_error"]
@@ -72,7 +72,7 @@ def _deltas(
 def summarize(records: list[dict[str, Any]], arms: list[str]) -> list[ArmSummary]:
     out = []
     for arm in arms:
-        attempt, error = _latest(records, arm)
+        attempt, error = latest_attempt(records, arm)
         runs = [r for r in records if r.get("type") == "response" and r["arm"] == arm and r["attempt"] == attempt]
         measured = [r for r in runs if r["measured"]]
         if attempt is None or not measured:

@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from rich.progress import Progress
 from kvwarden.probe.builtin import noise_prompts
 from kvwarden.probe.client import Client, ProbeError, Response
 from kvwarden.probe.fingerprint import fingerprint
-from kvwarden.probe.launchers import Launcher, RunningServer, ServerFailed, log_tail
+from kvwarden.probe.launchers import Launcher, RunningServer, ServerFailed, ServerSettings, log_tail
 from kvwarden.probe.scenario import Arm, Scenario
 from kvwarden.probe.server_info import discover
 
@@ -103,48 +103,55 @@ def response_record(arm: str, attempt: str, step: int, run: int, measured: bool,
 
 
 @contextmanager
-def _serve(
-    target: Target, arm: Arm, run_dir: Path, attempt: str
+def serve_arm(
+    target: Target, name: str, settings: ServerSettings, run_dir: Path, attempt: str
 ) -> Iterator[tuple[str, dict[str, Any], RunningServer | None]]:
+    """The arm's server (fresh with a launcher), its URL and the fields every request of the arm carries."""
     if target.launcher is None:
         # A shared server: isolate arms by cache_salt (kvwarden, vLLM) so one arm's cache cannot help another.
-        yield str(target.url), {"cache_salt": f"{arm.name}-{attempt}"}, None
+        yield str(target.url), {"cache_salt": f"{name}-{attempt}"}, None
         return
-    server = target.launcher.start(str(target.model), arm.server, run_dir, f"{arm.name}-{attempt}")
+    server = target.launcher.start(str(target.model), settings, run_dir, f"{name}-{attempt}")
     try:
         yield server.url, server.request_extra, server
     finally:
         server.stop()
 
 
-def _server_info(target: Target, arm: Arm, url: str, server: RunningServer | None) -> dict[str, Any]:
+def server_info(target: Target, settings: ServerSettings, url: str, server: RunningServer | None) -> dict[str, Any]:
     """What the server says it runs with (block size, budget), recorded before the first request."""
     if target.launcher is not None and server is not None:
-        return target.launcher.discover(server, arm.server).to_dict()
-    return discover(url, None, arm.server.block_size, arm.server.max_num_batched_tokens).to_dict()
+        return target.launcher.discover(server, settings).to_dict()
+    return discover(url, None, settings.block_size, settings.max_num_batched_tokens).to_dict()
 
 
-def run_arm(
-    scenario: Scenario, arm: Arm, target: Target, log: RecordLog, run_dir: Path, progress: Progress | None
+# An arm's requests: (url, fields every request carries, attempt id) -> None, raising on a failed request.
+ArmBody = Callable[[str, dict[str, Any], str], None]
+
+
+def guarded_arm(
+    name: str, settings: ServerSettings, target: Target, log: RecordLog, run_dir: Path, body: ArmBody
 ) -> None:
+    """Run one arm on its own server: ``arm_start``, ``server_info``, the body's records, then ``arm_done``,
+    or ``arm_error`` with the cause (a server that died under a request: its exit status and log tail)."""
     attempt = uuid.uuid4().hex[:8]
-    log.append({"type": "arm_start", "arm": arm.name, "attempt": attempt, "server": arm.server.__dict__})
+    log.append({"type": "arm_start", "arm": name, "attempt": attempt, "server": settings.__dict__})
     exit_code: int | None = None
     server: RunningServer | None = None
     try:
-        with _serve(target, arm, run_dir, attempt) as (url, extra, server):
+        with serve_arm(target, name, settings, run_dir, attempt) as (url, extra, server):
             try:
-                info = _server_info(target, arm, url, server)
-                log.append({"type": "server_info", "arm": arm.name, "attempt": attempt, "info": info})
-                _run_steps(scenario, arm, target, log, attempt, url, extra, progress)
+                info = server_info(target, settings, url, server)
+                log.append({"type": "server_info", "arm": name, "attempt": attempt, "info": info})
+                body(url, extra, attempt)
             except (ProbeError, httpx.HTTPError):
-                # Before _serve stops the server: did the engine itself die under a request? A process
+                # Before serve_arm stops the server: did the engine itself die under a request? A process
                 # that just dropped its connections may need a moment to be reaped.
                 if server is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         exit_code = server.process.wait(timeout=2)
                 raise
-        log.append({"type": "arm_done", "arm": arm.name, "attempt": attempt})
+        log.append({"type": "arm_done", "arm": name, "attempt": attempt})
     except (ServerFailed, ProbeError, httpx.HTTPError) as exc:
         error = str(exc) if isinstance(exc, ServerFailed) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, httpx.TransportError) and target.url:  # a dead --url: say which one
@@ -152,7 +159,16 @@ def run_arm(
         if exit_code is not None:
             error = f"server exited with {exit_code} during the arm ({error})"
         tail = log_tail(server.log_path) if server is not None else ""
-        log.append({"type": "arm_error", "arm": arm.name, "attempt": attempt, "error": error, "log_tail": tail})
+        log.append({"type": "arm_error", "arm": name, "attempt": attempt, "error": error, "log_tail": tail})
+
+
+def run_arm(
+    scenario: Scenario, arm: Arm, target: Target, log: RecordLog, run_dir: Path, progress: Progress | None
+) -> None:
+    def steps(url: str, extra: dict[str, Any], attempt: str) -> None:
+        _run_steps(scenario, arm, target, log, attempt, url, extra, progress)
+
+    guarded_arm(arm.name, arm.server, target, log, run_dir, steps)
 
 
 def _run_steps(

@@ -12,12 +12,14 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.formatting import (
     TokenText,
     chat_logprobs,
     choice_params,
+    compile_constraint,
     sampling_params,
     usage,
     with_spec,
@@ -41,7 +43,9 @@ class ChatCompletions:
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages", "invalid_value") from exc
 
-    def _jobs(self, req: ChatCompletionRequest, ids: list[int]) -> list[Job]:
+    def _jobs(
+        self, req: ChatCompletionRequest, ids: list[int], structured: StructuredOutputsParams | None
+    ) -> list[Job]:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -53,12 +57,14 @@ class ChatCompletions:
             kv_capacity=self.engine.kv_capacity,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             prompt_param="messages",
+            structured=structured,
         )
         return [Job(j, ids, choice_params(params, j), req.cache_salt, req.prefill_url) for j in range(req.n)]
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStream:
         ids = self._prompt(req)
-        jobs = self._jobs(req, ids)
+        structured = await compile_constraint(req, self.engine.engine.grammars)
+        jobs = self._jobs(req, ids, structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         record = access_record(request)
         record.request_id = rid

@@ -12,11 +12,13 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.formatting import (
     TokenText,
     choice_params,
+    compile_constraint,
     completion_logprobs,
     sampling_params,
     usage,
@@ -50,7 +52,9 @@ class Completions:
                 raise ApiError(400, str(exc), "prompt", "invalid_value") from exc
         return out
 
-    def _jobs(self, req: CompletionRequest, prompts: list[list[int]]) -> list[Job]:
+    def _jobs(
+        self, req: CompletionRequest, prompts: list[list[int]], structured: StructuredOutputsParams | None
+    ) -> list[Job]:
         jobs = []
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for i, ids in enumerate(prompts):
@@ -62,6 +66,7 @@ class Completions:
                 kv_capacity=self.engine.kv_capacity,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                structured=structured,
             )
             jobs.extend(
                 Job(i * req.n + j, ids, choice_params(params, j), req.cache_salt, req.prefill_url) for j in range(req.n)
@@ -70,7 +75,8 @@ class Completions:
 
     async def create(self, req: CompletionRequest, request: Request) -> JSONResponse | EventStream:
         prompts = self._prompts(req)
-        jobs = self._jobs(req, prompts)
+        structured = await compile_constraint(req, self.engine.engine.grammars)
+        jobs = self._jobs(req, prompts, structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         record = access_record(request)
         record.request_id = rid

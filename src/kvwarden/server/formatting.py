@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -11,8 +12,11 @@ from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.request import TopLogprobs
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.spec_stats import SpecStats
+from kvwarden.engine.structured.grammars import GrammarError, Grammars
+from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.models.tokenizer import Tokenizer
 from kvwarden.server.protocol import ApiError, refuse_unsupported
+from kvwarden.server.structured import constraint_of
 
 # Largest `n` per request; larger fan-outs are better sent as separate requests.
 MAX_N = 16
@@ -34,6 +38,29 @@ class TokenText:
         return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
 
 
+async def compile_constraint(req: Any, grammars: Grammars) -> StructuredOutputsParams | None:
+    """The request's constraint, compiled off the event loop and the engine thread.
+
+    Raises:
+        ApiError: 400 naming the field (malformed, several constraints, or not compilable).
+    """
+    refuse_unsupported(req)  # unknown and unsupported fields first: they are the likelier mistake
+    try:
+        found = constraint_of(req)
+    except ValueError as exc:
+        field, message = exc.args
+        raise ApiError(400, f"{field}: {message}", field, "invalid_value") from exc
+    if found is None:
+        return None
+    params, field = found
+    try:
+        await asyncio.to_thread(grammars.compile, params)
+    except GrammarError as exc:
+        reason = str(exc).split(": cannot be compiled: ", 1)[-1]
+        raise ApiError(400, f"{field}: cannot be compiled: {reason}", field, "invalid_value") from exc
+    return params
+
+
 def sampling_params(
     req: Any,
     *,
@@ -44,6 +71,7 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     prompt_param: str = "prompt",
     kv_capacity: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Validate an API request's sampling fields into :class:`SamplingParams`.
 
@@ -93,6 +121,7 @@ def sampling_params(
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "seed": req.seed,
+        "structured_outputs": structured,
     }
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(req, name)

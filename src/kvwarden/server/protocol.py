@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
 from kvwarden.engine.sampling_params import MAX_LOGPROBS
+from kvwarden.server.structured import GUIDED_FIELDS, ResponseFormat, StructuredOutputsField
 
 
 class ApiError(Exception):
@@ -56,7 +57,6 @@ def api_key_error(authorization: str | None, key: str) -> ApiError | None:
 # ignored, unless they carry the value that means "off". Harmless bookkeeping fields (user, metadata,
 # store, ...) stay accepted and are ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "response_format": ("structured output is not supported", ({"type": "text"},)),
     "tools": ("tool calling is not supported", ([],)),
     "tool_choice": ("tool calling is not supported", ("none",)),
     "parallel_tool_calls": ("tool calling is not supported", (False,)),
@@ -68,7 +68,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "repetition_penalty": ("penalties are not supported (only 1)", (1, 1.0)),
     "best_of": ("best_of is not supported (only 1)", (1,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
-    "structured_outputs": ("structured output is not supported", ()),
 }
 UNSUPPORTED_FIELDS |= {
     "prompt_logprobs": ("prompt_logprobs is not supported as a field: use echo with logprobs", ()),
@@ -93,7 +92,7 @@ UNSUPPORTED_FIELDS |= {
     "documents": ("documents are not supported", ([],)),
     "mm_processor_kwargs": ("multimodal inputs are not supported", ({},)),
 }
-UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided decoding: guided_json, guided_regex, guided_choice, ...
+UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided decoding fields other than GUIDED_FIELDS
 # Accepted and ignored: they cannot change an answer (OpenAI's bookkeeping, vLLM's scheduling hints).
 IGNORED_FIELDS = frozenset(
     {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "priority", "request_id"}
@@ -114,8 +113,9 @@ def refuse_unsupported(req: BaseModel) -> None:
             why, harmless = UNSUPPORTED_FIELDS[name]
             if value in harmless:
                 continue
-        elif name.startswith(UNSUPPORTED_PREFIXES):
-            why = "guided decoding is not supported"
+        elif name.startswith(UNSUPPORTED_PREFIXES) and name not in GUIDED_FIELDS:
+            implemented = ", ".join(GUIDED_FIELDS)
+            why = f"this guided decoding option (of vLLM's, only {implemented} are implemented) is not supported"
         else:
             continue
         raise ApiError(
@@ -207,6 +207,12 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def prefill_url(self) -> str | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from kvwarden.config import SpeculativeConfig
 from kvwarden.engine.model_runner import StepLogits
 from kvwarden.engine.request import Request, Status
@@ -56,10 +58,15 @@ class DraftModelProposer:
                 for _, shadow in active
             ]
             out = self.draft.runner.execute(SchedulerOutput(chunks=chunks), self.draft.kv)
-            for chunk in chunks:
+            for (req, _), chunk in zip(active, chunks, strict=True):
                 shadow = chunk.request
                 row = out.logits[out.sample_rows[shadow.request_id][0]]
-                token = sample_row(row, _GREEDY, 0, shadow.num_tokens, self.draft.row_math).token_id
+                # A structured request drafts what its grammar allows after the drafts so far.
+                made = shadow.all_token_ids[committed[shadow.request_id] :]
+                allowed = req.grammar.mask_after(made, row.device) if req.grammar is not None else None
+                if allowed is not None and allowed.numel() != row.numel():  # another logits width (padding rows)
+                    allowed = _resized(allowed, row.numel())
+                token = sample_row(row, _GREEDY, 0, shadow.num_tokens, self.draft.row_math, allowed=allowed).token_id
                 shadow.num_computed_tokens = chunk.end
                 shadow.all_token_ids.append(token)
         for req, shadow, k in work:
@@ -113,6 +120,14 @@ class DraftModelProposer:
         shadow = self.shadows.pop(request_id, None)
         if shadow is not None:
             self.draft.kv.free(shadow)
+
+
+def _resized(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """A mask over the target's logits as one over the draft's: ids past either width are never allowed."""
+    out = torch.zeros(width, dtype=torch.bool, device=allowed.device)
+    n = min(width, allowed.numel())
+    out[:n] = allowed[:n]
+    return out
 
 
 def _check_vocabulary(name: str, draft: SpecTarget, target: SpecTarget) -> None:

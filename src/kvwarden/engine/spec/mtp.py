@@ -65,7 +65,9 @@ class MtpProposer:
             drafts = []
             for i, (req, _) in enumerate(work):
                 pos = req.num_tokens + round_
-                token = sample_row(logits[i], _GREEDY, 0, pos, self.target.row_math).token_id
+                # A structured request drafts what its grammar allows after the drafts so far.
+                allowed = req.grammar.mask_after(req.spec_token_ids, logits.device) if req.grammar is not None else None
+                token = sample_row(logits[i], _GREEDY, 0, pos, self.target.row_math, allowed=allowed).token_id
                 req.spec_token_ids.append(token)
                 drafts.append(token)
             keep = [i for i, (_, k) in enumerate(work) if round_ + 1 < k]

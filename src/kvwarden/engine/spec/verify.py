@@ -41,6 +41,7 @@ def verify(
     math: RowMath,
     acceptance: str = "match",
     pre: list[RowTops] | None = None,
+    masks: torch.Tensor | None = None,
 ) -> tuple[list[Sample], int]:
     """Tokens to emit from ``len(drafts) + 1`` rows of logits, and how many drafts were accepted.
 
@@ -52,6 +53,10 @@ def verify(
         math: the sampler's row reductions.
         acceptance: ``"match"`` or ``"rejection"``.
         pre: each row's log-softmax and top list, computed for the whole step (optional).
+        masks: a structured output's allowed tokens per row (``GrammarState.masks``): row ``i``
+            after ``drafts[:i]``. It may have fewer rows than ``logits`` (it ends at a draft the
+            grammar refuses, which then cannot be chosen, or after one that ends the grammar):
+            verification stops there.
 
     Returns:
         ``(samples, accepted)``: ``accepted`` drafts then one token chosen by the
@@ -59,10 +64,13 @@ def verify(
     """
     out: list[Sample] = []
     for i in range(len(drafts) + 1):
+        if masks is not None and i == masks.shape[0]:
+            break  # the previous draft ended the grammar: nothing may follow it
         pos = position + i
-        sample = sample_row(logits[i], params, seed, pos, math, pre[i] if pre is not None else None)
+        allowed = masks[i] if masks is not None else None
+        sample = sample_row(logits[i], params, seed, pos, math, pre[i] if pre is not None else None, allowed)
         if i < len(drafts) and acceptance == "rejection" and not params.greedy:
-            sample = _rejection_step(logits[i], drafts[i], sample, params, seed, pos, math)
+            sample = _rejection_step(logits[i], drafts[i], sample, params, seed, pos, math, allowed)
         out.append(sample)
         if i == len(drafts) or sample.token_id != drafts[i]:
             break
@@ -70,10 +78,19 @@ def verify(
 
 
 def _rejection_step(
-    row: torch.Tensor, draft: int, plain: Sample, params: SamplingParams, seed: int, pos: int, math: RowMath
+    row: torch.Tensor,
+    draft: int,
+    plain: Sample,
+    params: SamplingParams,
+    seed: int,
+    pos: int,
+    math: RowMath,
+    allowed: torch.Tensor | None = None,
 ) -> Sample:
-    """Accept ``draft`` with probability p(draft); otherwise a draw from p with the draft removed."""
-    probs = sampling_probs(row, params, math)
+    """Accept ``draft`` with probability p(draft); otherwise a draw from p with the draft removed
+    (p over the allowed ids where a grammar masks the row; the logprob reported is the raw one)."""
+    masked = row if allowed is None else row.masked_fill(~allowed, float("-inf"))
+    probs = sampling_probs(masked, params, math)
     if uniform(seed, pos, _ACCEPT_STREAM) < float(probs[draft]):
         token = draft
     else:

@@ -1,0 +1,92 @@
+"""One request's grammar state: which tokens may come next, as a mask over the model's logits.
+
+NOTE(invariance): the mask is a function of the request's tokens so far and
+nothing else (the grammar is fixed at admission; the matcher advances only on
+tokens the request emits), and applying it is element-wise (``masked_fill``
+with ``-inf``), so a row's masked logits are as invariant as its raw logits:
+batch partners, chunking, prefix hits, preemption and speculation change
+neither. Logprobs stay the model's raw distribution (the mask, like
+temperature, only changes which token is chosen).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class GrammarState:
+    """The matcher of one output: advanced by every token the request emits, rolled back after draft checks."""
+
+    def __init__(
+        self, matcher: Any, vocab_size: int, eos_token_ids: tuple[int, ...], forbidden: tuple[int, ...] = ()
+    ) -> None:
+        """Args:
+        matcher: the request's own llguidance matcher.
+        vocab_size: the width of the logits.
+        eos_token_ids: the tokens that end the output (allowed once the grammar is complete).
+        forbidden: ids never allowed whatever the matcher says (special tokens other than EOS).
+        """
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._eos = frozenset(eos_token_ids)
+        self._forbidden = list(forbidden)
+
+    def masks(self, drafts: list[int], device: torch.device | str) -> torch.Tensor:
+        """Allowed tokens ``[rows, vocab]`` (bool) for the next position and after each draft prefix.
+
+        Row ``i`` is the mask after ``drafts[:i]``: what the grammar allows at the position verify's
+        row ``i`` scores. Rows stop at the first draft the grammar refuses (verify never goes past
+        it: that draft cannot be chosen) or after an end-of-sequence draft. The matcher is left
+        where it was.
+        """
+        # llguidance's numpy helpers, not its torch ones: those compile TorchScript on import.
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        # Only drafts the grammar accepts are consumed: a refused token would put the matcher in its error
+        # state. Nothing follows an end-of-sequence draft (the request stops there).
+        valid = self._matcher.validate_tokens(drafts) if drafts else 0
+        ends = next((i for i, t in enumerate(drafts[:valid]) if t in self._eos), valid)
+        bitmask = allocate_token_bitmask(ends + 1, self.vocab_size)
+        fill_next_token_bitmask(self._matcher, bitmask, 0)
+        for row, token in enumerate(drafts[:ends], start=1):
+            self._consume(token)
+            fill_next_token_bitmask(self._matcher, bitmask, row)
+        if ends and not self._matcher.rollback(ends):
+            raise RuntimeError(f"structured outputs: rollback failed: {self._matcher.get_error()}")
+        allowed = unpack(torch.from_numpy(bitmask), self.vocab_size, device)
+        if self._forbidden:
+            allowed[:, self._forbidden] = False
+        return allowed
+
+    def mask_after(self, tokens: list[int], device: torch.device | str) -> torch.Tensor | None:
+        """The allowed tokens ``[vocab]`` after ``tokens`` (drafts made so far, not emitted), so a proposer
+        drafts what the grammar allows; ``None`` if the grammar refuses them (the rest is wasted anyway).
+        The matcher is left where it was."""
+        if any(t in self._eos for t in tokens) or (tokens and self._matcher.validate_tokens(tokens) != len(tokens)):
+            return None
+        return self.masks(tokens, device)[-1]
+
+    def accept(self, token: int) -> None:
+        """Advance by an emitted token (one the mask allowed).
+
+        Raises:
+            RuntimeError: the grammar refuses it - a token chosen outside the mask, an engine bug.
+        """
+        # validate_tokens checks grammar tokens only; an EOS is checked by consuming it (the request ends).
+        if token not in self._eos and self._matcher.validate_tokens([token]) != 1:
+            raise RuntimeError(f"structured outputs: token {token} was emitted but the grammar refuses it")
+        self._consume(token)
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"structured outputs: the grammar failed on token {token}: {self._matcher.get_error()}")
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """A packed ``int32 [rows, ceil(vocab / 32)]`` bitmask (bit ``i % 32`` of word ``i // 32`` set = token
+    ``i`` allowed) as ``bool [rows, vocab]`` on ``device``."""
+    ids = torch.arange(vocab_size, device=device)
+    words = bitmask.to(device)[:, ids // 32]
+    return ((words >> (ids % 32)) & 1).bool()
