@@ -143,8 +143,30 @@ def test_kvwarden_keeps_every_task_stable_with_a_schema_file_and_structured_outp
                for r in records if r["type"] == "response")  # fmt: skip
 
 
-def test_a_wrong_suite_name_is_one_line_naming_the_built_ins(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--suite", "invoice-50", "--url", "http://127.0.0.1:9"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path)
-    assert done.returncode == 2 and "did you mean 'invoices-50'" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+def test_bad_suite_arguments_are_one_line_naming_the_flag(tmp_path: Path) -> None:
+    url = ["--url", "http://127.0.0.1:9"]
+    cases = {
+        ("--suite", "invoice-50", *url): "did you mean 'invoices-50'",
+        ("--suite", "invoices-50", "--a-len", "40", *url): "--a-len is for scenarios, not --suite",
+        ("--suite", "invoices-50", "--ignore-eos", *url): "--ignore-eos is for scenarios, not --suite",
+        ("--tasks", "3", *url): "--tasks needs --suite",
+        ("--constraint-field", "none", *url): "--constraint-field needs --suite",
+    }
+    for args, message in cases.items():
+        cmd = [sys.executable, "-m", "kvwarden.cli", "probe", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_run_directory_is_resumed_only_by_the_same_suite(llama_tiny: Path, tmp_path: Path) -> None:
+    args = ["--suite", "invoices-50", "--tasks", "1", "--repeats", "2", "--max-tokens", "4"]
+    args += ["--launcher", "kvwarden", "--model", str(llama_tiny)]
+    code, first, _ = _probe(args, tmp_path)
+    assert code == 0, first
+    again, resumed, _ = _probe(args, tmp_path)  # every arm done: nothing re-run, the same verdicts
+    assert again == 0 and resumed["arms"] == first["arms"]
+    cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--no-progress", "--out", str(tmp_path), *args]
+    cmd[cmd.index("--repeats") + 1] = "3"
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 2 and "holds another run (it differs in repeats)" in done.stderr, done.stderr

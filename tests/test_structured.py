@@ -207,3 +207,62 @@ def test_bad_constraints_are_refused_naming_the_field_and_compiled_once(llm: LLM
     same = StructuredOutputsParams(json=json.dumps(INVOICE), any_whitespace=False)  # the schema as text
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=same), use_tqdm=False)
     assert grammars.compiled == compiled and grammars.hits >= hits + 2
+
+
+def test_a_grammar_may_ask_for_a_special_token_mid_way(llm: LLM) -> None:
+    """Special tokens other than EOS are cleared only where the grammar may end (llguidance can allow the
+    tokenizer's own end-of-text there); a grammar that needs one mid-way gets it."""
+    special = next(i for i in range(llm.tokenizer.vocab_size) if i not in llm.tokenizer.eos_token_ids and
+                   llm.tokenizer.backend.id_to_token(i) in {t.content for t in
+                   llm.tokenizer.backend.get_added_tokens_decoder().values() if t.special})  # fmt: skip
+    so = StructuredOutputsParams(grammar=f'start: "a" <[{special}]> "b"')
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=8),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8),
+    ):
+        out = llm.generate([[5, 6, 7]], SamplingParams(**{**params.__dict__, "structured_outputs": so}))[0]
+        assert special in out.token_ids and out.finish_reason == "stop" and out.error is None, out
+
+
+def test_a_grammar_that_cannot_go_on_ends_its_request_only(llm: LLM) -> None:
+    """A real matcher left with no allowed token (here: its only continuation, EOS, forbidden) ends that
+    request with finish_reason abort and an error; the request beside it in the batch is unaffected."""
+    from kvwarden.engine.structured.state import GrammarState
+
+    engine = llm.engine
+    so = StructuredOutputsParams(choice=["a"])
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([[9, 10, 11]], free)[0]
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=so), "stuck")
+    engine.add_request([9, 10, 11], free, "beside")
+    eos = tuple(llm.tokenizer.eos_token_ids)
+    matcher = engine.grammars.compile(so).deep_copy()
+    engine.requests["stuck"].grammar = GrammarState(matcher, engine.grammars.vocab_size, eos, forbidden=eos)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["stuck"].finish_reason == "abort" and "allows no token" in done["stuck"].error
+    assert done["stuck"].text == "a"  # what the grammar allowed was emitted; then it could not go on
+    assert done["beside"].token_ids == alone.token_ids and done["beside"].error is None
+    assert engine.pool.num_free_blocks == engine.num_blocks  # every block back in the pool
+
+
+def test_an_accepted_draft_that_ends_the_grammar_counts_as_accepted(llm: LLM) -> None:
+    """verify stops after an EOS draft the mask row allows: every emitted token was a draft."""
+    from kvwarden.engine.spec.verify import verify
+
+    engine = llm.engine
+    so = StructuredOutputsParams(choice=["a"])
+    state = engine.grammars.state(so)
+    a = llm.tokenizer.encode("a", False)
+    eos = llm.tokenizer.eos_token_ids[0]
+    drafts = [*a, eos]
+    masks = state.masks(drafts, "cpu")
+    assert masks.shape[0] == len(drafts)  # no row after the end
+    rows = torch.zeros(len(drafts) + 1, engine.grammars.vocab_size)
+    rows[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0  # the target agrees with every draft
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    samples, accepted = verify(rows, drafts, params, 0, 3, engine.row_math, "match", None, masks)
+    assert [s.token_id for s in samples] == drafts and accepted == len(drafts)

@@ -173,6 +173,13 @@ BAD = [
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),  # two: the message names the other too
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {}}, "structured_outputs"),  # no constraint: refused, not ignored
+    ({"structured_outputs": {"json_object": False, "disable_any_whitespace": True}}, "structured_outputs"),
+    (
+        {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+        "structured_outputs.disable_any_whitespace",
+    ),
+    ({"guided_json": '{"a":' * 5000 + "1" + "}" * 5000}, "guided_json"),  # nested past the parser's recursion
 ]
 
 
@@ -194,6 +201,12 @@ def test_bad_constraints_are_400s_naming_the_field_and_lose_nothing(server: Serv
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+        )  # fmt: skip
+    assert info.value.body["param"] == "response_format.json_schema", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_object", "json_schema": {"name": "x", "schema": INVOICE}},
         )  # fmt: skip
     assert info.value.body["param"] == "response_format.json_schema", info.value.body
     # the server is up, serves a constrained request, and every block is back in the pool

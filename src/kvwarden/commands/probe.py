@@ -37,9 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "See docs/production-story.md §2 for the method."
         ),
     )
-    p.add_argument(
-        "--scenario", default="contamination", help=f"built-in ({', '.join(BUILTINS)}) or a .yaml/.toml file"
-    )
+    p.add_argument("--scenario", help=f"built-in ({', '.join(BUILTINS)}; default contamination) or a .yaml/.toml file")
     p.add_argument(
         "--suite",
         help=f"run a task suite instead of a scenario: built-in ({', '.join(SUITES)}) or a .jsonl file "
@@ -49,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--constraint-field",
         choices=("auto", "response_format", "structured_outputs", "json_schema", "none"),
-        default="auto",
         help="--suite: how a task's answer schema is sent (auto: llama.cpp's json_schema for --launcher "
         "llama.cpp, else OpenAI's response_format; none: the prompt alone asks for JSON)",
     )
@@ -60,17 +57,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--command", help="command template for --launcher custom/sglang, with {model} and {port}")
     p.add_argument("--served-model-name", help="model name for requests (default: the server's first model)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--tokenizer", default="auto", help="'auto' (the model's, when local), a model, or 'none' (text)")
+    p.add_argument("--tokenizer", help="'auto' (default: the model's, when local), a model, or 'none' (text)")
     p.add_argument("--out", type=Path, help="run directory (an existing one resumes); default runs/probe-...")
     p.add_argument("--repeats", type=int, help="runs of the measured request per arm (default 5; --suite: 3 per task)")
     p.add_argument("--max-tokens", type=int, help="tokens generated per request (default 8; --suite: 48)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (vLLM's extension)")
-    p.add_argument("--a-len", type=int, default=28, help="built-in scenarios: tokens of request A")
-    p.add_argument("--b-len", type=int, default=44, help="built-in scenarios: tokens of request B")
-    p.add_argument("--shared", type=int, default=24, help="built-in scenarios: leading tokens A and B share")
+    p.add_argument("--a-len", type=int, help="built-in scenarios: tokens of request A (default 28)")
+    p.add_argument("--b-len", type=int, help="built-in scenarios: tokens of request B (default 44)")
+    p.add_argument("--shared", type=int, help="built-in scenarios: leading tokens A and B share (default 24)")
     p.add_argument("--block-size", type=int, help="requested KV block size (the server may pick another)")
     p.add_argument("--max-num-batched-tokens", type=int, help="requested step budget")
-    p.add_argument("--budgets", type=int, nargs=2, default=(32, 512), help="the budget scenario's two budgets")
+    p.add_argument("--budgets", type=int, nargs=2, help="the budget scenario's two budgets (default 32 512)")
     p.add_argument("--chunking", choices=CHUNKING_RULES, help="kvwarden launcher only: prefill chunking rule")
     p.add_argument("--numerics", choices=NUMERICS_MODES, help="kvwarden launcher only: kernels")
     p.add_argument("--device", choices=DEVICES, help="kvwarden launcher only: cpu, cuda or auto")
@@ -127,6 +124,27 @@ def _target(args: argparse.Namespace, model: str | None, tokenizer: object) -> T
     )
 
 
+# Flags of one mode only: given with the other, they are refused rather than ignored.
+SCENARIO_ONLY = ("scenario", "a_len", "b_len", "shared", "budgets", "tokenizer", "ignore_eos")
+SUITE_ONLY = ("tasks", "constraint_field")
+
+
+def _refuse_other_mode(args: argparse.Namespace) -> None:
+    given = [name for name in (SCENARIO_ONLY if args.suite else SUITE_ONLY) if getattr(args, name) not in (None, False)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        where = "is for scenarios, not --suite" if args.suite else "needs --suite"
+        raise ValueError(f"{flag} {where} (it would be ignored)")
+
+
+def _scenario_defaults(args: argparse.Namespace) -> None:
+    defaults = {"scenario": "contamination", "a_len": 28, "b_len": 44, "shared": 24, "budgets": (32, 512),
+                "tokenizer": "auto", "repeats": 5, "max_tokens": 8}  # fmt: skip
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvwarden.probe.builtin import Shape, build
     from kvwarden.probe.crosscheck import CacheCheck
@@ -137,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwarden.probe.scenario import load_scenario
     from kvwarden.probe.server_info import ServerInfo
 
+    _refuse_other_mode(args)
     settings = ServerSettings(
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -159,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         from kvwarden.commands.probe_suite import run_suite_command
 
         return run_suite_command(args, settings, _target(args, model, None), model)
+    _scenario_defaults(args)
     tokenizer = _tokenizer(args.tokenizer, model)
     lengths = "tokens (the model's tokenizer)"
     if tokenizer is None and args.url and args.tokenizer != "none":
@@ -174,8 +194,6 @@ def run(args: argparse.Namespace) -> int:
                 "--shared count WORDS, which the server turns into several times as many tokens",
                 file=sys.stderr,
             )
-    args.repeats = 5 if args.repeats is None else args.repeats
-    args.max_tokens = 8 if args.max_tokens is None else args.max_tokens
     if args.scenario in BUILTINS:
         shape = Shape(a_len=args.a_len, b_len=args.b_len, shared=args.shared)
         scenario = build(

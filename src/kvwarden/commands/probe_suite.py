@@ -53,7 +53,7 @@ def run_suite_command(args: argparse.Namespace, settings: ServerSettings, target
     from kvwarden.probe.suite_runner import Suite, run_suite, suite_arms
 
     tasks = load_tasks(args.suite, args.tasks)
-    style = args.constraint_field
+    style = args.constraint_field or "auto"
     if style == "auto":
         style = "json_schema" if args.launcher == "llama.cpp" else "response_format"
     suite = Suite(

@@ -35,6 +35,7 @@ from kvwarden.engine.spec_stats import SpecStats
 from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
 from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.engine.structured.grammars import Grammars
+from kvwarden.engine.structured.state import GrammarFailure
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
@@ -261,21 +262,27 @@ class LLMEngine:
         if self.faults is not None:
             rows = self.faults.bias(req, rows, drafts)
         pre = [tops[r] for r in row_ids] if tops is not None else None
-        # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
-        masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
+        try:
+            # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
+            masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
+        except GrammarFailure as exc:
+            return self._fail_grammar(chunk, exc)
         args = (req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre, masks)
         samples, accepted = verify(rows, drafts, *args)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
         reason = None
         for sample in samples:
+            if req.grammar is not None:
+                try:
+                    req.grammar.accept(sample.token_id)
+                except GrammarFailure as exc:
+                    return self._fail_grammar(chunk, exc)
             req.append_token(sample.token_id)
             req.sampled_logprobs.append(sample.logprob)
             if req.params.logprobs is not None:
                 req.logprobs.append(sample.top)
             self.generation_tokens_total += 1
-            if req.grammar is not None:
-                req.grammar.accept(sample.token_id)
             reason = update_text_and_check_stop(req, self.tokenizer, self.max_model_len)
             if reason is not None:
                 break
@@ -287,6 +294,15 @@ class LLMEngine:
         if req.final_only:
             return None
         return RequestOutput.of(req, self._prompts.get(req.request_id))
+
+    def _fail_grammar(self, chunk: ScheduledChunk, exc: GrammarFailure) -> RequestOutput:
+        """End a request whose grammar cannot go on (its error says why); the rest of the batch is untouched."""
+        req = chunk.request
+        if chunk.num_spec and self.speculator is not None:
+            self.speculator.commit(chunk, 0, kept=0)  # nothing of the step's drafts is kept
+        req.spec_token_ids = []
+        req.error = str(exc)
+        return self._finish(req, "abort")
 
     def _inject(self, req: Request) -> None:
         """Testing only: let the fault injector corrupt a request's KV after its prefill."""

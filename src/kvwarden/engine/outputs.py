@@ -30,6 +30,8 @@ class RequestOutput:
         spec_stats: speculative-decoding acceptance so far (``num_drafts``,
             ``num_draft_tokens``, ``num_accepted_tokens``, ``accept_length``,
             ``accept_rate``), ``None`` when speculation is off.
+        error: why the engine ended the request itself (a structured output's grammar that could not
+            go on), with ``finish_reason`` ``"abort"``; ``None`` otherwise.
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class RequestOutput:
     prompt: str | None = field(default=None, repr=False)
     prompt_logits: torch.Tensor | None = field(default=None, repr=False)
     spec_stats: SpecStats | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,4 +72,5 @@ class RequestOutput:
             prompt=prompt,
             prompt_logits=torch.stack(req.prompt_logits) if req.capture_logits and req.prompt_logits else None,
             spec_stats=req.spec_stats.copy() if req.spec_stats is not None else None,
+            error=req.error,
         )

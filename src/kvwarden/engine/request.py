@@ -74,6 +74,7 @@ class Request(CacheView):
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # why the engine ended the request itself (finish_reason "abort")
     stop_reason: str | int | None = None
     text: str = ""
     capture_logits: bool = False

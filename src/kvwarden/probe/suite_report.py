@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvwarden.probe.fingerprint import first_divergence
@@ -80,12 +81,17 @@ def summarize_suite(records: list[dict[str, Any]], suite: Suite) -> list[SuiteAr
         attempt, error = latest_attempt(records, arm.name)
         runs = [r for r in records if r.get("type") == "response" and r["arm"] == arm.name and r["attempt"] == attempt]
         summary = SuiteArmSummary(arm.name, error=error if attempt is None else None)
+        short = []
         for task in suite.tasks:
             mine = [r for r in runs if r.get("task") == task.id]
+            if len(mine) != suite.repeats:
+                short.append(f"{task.id} ({len(mine)} of {suite.repeats} runs)")
             if mine:
                 summary.tasks.append(_task_result(task, mine))
         if attempt is None and summary.error is None:
             summary.error = "no completed runs"
+        elif summary.error is None and short:  # a verdict over fewer runs than asked would overstate stability
+            summary.error = f"incomplete records: {', '.join(short[:5])}{' ...' if len(short) > 5 else ''}"
         out.append(summary)
     reference = next((s for s in out if not s.error), None)
     if reference is not None:
@@ -112,7 +118,7 @@ def _task_result(task: Task, runs: list[dict[str, Any]]) -> TaskResult:
 
 def suite_exit_status(summaries: list[SuiteArmSummary]) -> int:
     """0 every task's logits stable in every arm, 1 some not, 2 an arm could not run."""
-    if any(s.error for s in summaries):
+    if any(s.error for s in summaries) or not any(s.tasks for s in summaries):
         return 2
     return 0 if all(t.logits_stable for s in summaries for t in s.tasks) else 1
 
@@ -123,7 +129,7 @@ def print_suite_table(title: str, summaries: list[SuiteArmSummary], console: Con
         table.add_column(column)
     for s in summaries:
         if s.error:
-            table.add_row(s.arm, "-", "-", "-", "-", f"[red]error: {html.escape(s.error.splitlines()[0][:80])}[/red]")
+            table.add_row(s.arm, "-", "-", "-", "-", f"[red]error: {escape(s.error.splitlines()[0][:80])}[/red]")
             continue
         n = len(s.tasks)
         drift = s.count("hidden_drift")

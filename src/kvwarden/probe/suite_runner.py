@@ -26,7 +26,7 @@ from rich.progress import Progress
 from kvwarden.probe.client import Client
 from kvwarden.probe.launchers import ServerSettings
 from kvwarden.probe.runner import RecordLog, Target, guarded_arm, response_record
-from kvwarden.probe.suite import Task, constraint_body, is_correct, parse_answer, write_suite
+from kvwarden.probe.suite import Task, constraint_body, is_correct, load_suite, parse_answer, write_suite
 
 ISOLATION = {"clean": "task", "contaminated": "shared", "no-cache": "run"}
 ARM_MEANINGS = {
@@ -70,6 +70,7 @@ def run_suite(suite: Suite, target: Target, run_dir: Path, show_progress: bool =
     """Run every arm not yet done in ``run_dir`` (an interrupted run resumes by arm); returns all records."""
     if suite.repeats < 2:
         raise ValueError("--repeats must be >= 2 (agreement needs at least two runs)")
+    _refuse_other_run(suite, run_dir)
     log = RecordLog(run_dir / "records.jsonl")
     done = {r["arm"] for r in log.read() if r.get("type") == "arm_done"}
     (run_dir / "scenario.json").write_text(json.dumps(_describe(suite), indent=2, ensure_ascii=False))
@@ -89,6 +90,25 @@ def run_suite(suite: Suite, target: Target, run_dir: Path, show_progress: bool =
 
             guarded_arm(arm.name, arm.server, target, log, run_dir, body)
     return log.read()
+
+
+def _refuse_other_run(suite: Suite, run_dir: Path) -> None:
+    """Resume only the same suite run: a directory holding another run's records (a scenario, other tasks,
+    repeats or settings) would otherwise mix them into this one's verdicts."""
+    described = run_dir / "scenario.json"
+    if not described.is_file() and not (run_dir / "records.jsonl").is_file():
+        return
+    before = json.loads(described.read_text()) if described.is_file() else {}
+    now = json.loads(json.dumps(_describe(suite), ensure_ascii=False))
+    differs = sorted(k for k in now.keys() | before.keys() if before.get(k) != now.get(k))
+    tasks = run_dir / "tasks.jsonl"
+    if not differs and tasks.is_file() and [t.id for t in load_suite(tasks)] != [t.id for t in suite.tasks]:
+        differs = ["tasks"]
+    if differs:
+        raise ValueError(
+            f"--out: {run_dir} holds another run (it differs in {', '.join(differs)}); give a new --out "
+            "(a directory is resumed only by the same suite, tasks and settings)"
+        )
 
 
 def _run_tasks(

@@ -38,6 +38,10 @@ class RequestTimeoutError(RuntimeError):
     """The request ran past the server's ``--request-timeout``; it was aborted and its blocks freed."""
 
 
+class GrammarFailedError(RuntimeError):
+    """The request's structured-output grammar could not go on mid-generation; the engine ended it."""
+
+
 class RemotePrefillError(RuntimeError):
     """The prefill instance of a disaggregated request failed or refused it (decode role)."""
 
@@ -332,8 +336,9 @@ class AsyncEngine:
             stream.num_tokens = len(out.token_ids)
         if out.finished:
             self.metrics.observe_finished(out, now - stream.arrival)
+        item: RequestOutput | BaseException = GrammarFailedError(out.error) if out.error is not None else out
         with contextlib.suppress(RuntimeError):  # the client's loop is gone
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -62,6 +62,8 @@ def constraint_of(req: Any) -> tuple[StructuredOutputsParams, str] | None:
     """
     found: list[tuple[str, dict[str, Any]]] = []
     rf: ResponseFormat | None = req.response_format
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise ValueError("response_format.json_schema", f"only read with type json_schema (type is {rf.type})")
     if rf is not None and rf.type == "json_object":
         found.append(("response_format", {"json_object": True}))
     elif rf is not None and rf.type == "json_schema":
@@ -73,6 +75,10 @@ def constraint_of(req: Any) -> tuple[StructuredOutputsParams, str] | None:
         spellings = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
         spellings["json_object"] = so.json_object or None  # false means "no constraint"
         given = {k: v for k, v in spellings.items() if v is not None}
+        if not given:
+            raise ValueError("structured_outputs", "give one of json, regex, choice, grammar or json_object")
+        if so.disable_any_whitespace and not given.keys() & {"json", "json_object"}:
+            raise ValueError("structured_outputs.disable_any_whitespace", "applies to json and json_object only")
         whitespace = {"any_whitespace": not so.disable_any_whitespace}
         found += [(f"structured_outputs.{k}", {k: v, **whitespace}) for k, v in given.items()]
     for name in GUIDED_FIELDS:

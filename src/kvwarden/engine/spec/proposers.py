@@ -47,7 +47,10 @@ class NgramProposer:
 
     def propose(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> None:
         for req, k in ready:
-            req.spec_token_ids = self.lookup(req.all_token_ids, k)
+            drafts = self.lookup(req.all_token_ids, k)
+            if req.grammar is not None and drafts:  # a draft the grammar refuses could never be accepted
+                drafts = drafts[: req.grammar.valid_prefix(drafts)]
+            req.spec_token_ids = drafts
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         total = len(tokens)

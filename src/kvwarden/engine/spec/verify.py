@@ -63,6 +63,7 @@ def verify(
         target (a correction, or the bonus token after all drafts).
     """
     out: list[Sample] = []
+    accepted = 0
     for i in range(len(drafts) + 1):
         if masks is not None and i == masks.shape[0]:
             break  # the previous draft ended the grammar: nothing may follow it
@@ -74,7 +75,8 @@ def verify(
         out.append(sample)
         if i == len(drafts) or sample.token_id != drafts[i]:
             break
-    return out, len(out) - 1
+        accepted += 1  # (an accepted draft that ends the grammar leaves no row for a bonus token)
+    return out, accepted
 
 
 def _rejection_step(

@@ -73,9 +73,14 @@ def _schema_text(value: str | dict[str, Any] | None) -> str | None:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"structured_outputs.json: not valid JSON ({exc})") from exc
+        except RecursionError as exc:
+            raise ValueError("structured_outputs.json: nested too deeply to parse") from exc
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs.json: a JSON schema is an object, got {type(value).__name__}")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError as exc:
+        raise ValueError("structured_outputs.json: nested too deeply") from exc
 
 
 def _text(name: str, value: str | None) -> str | None:

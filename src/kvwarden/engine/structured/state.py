@@ -16,6 +16,11 @@ from typing import Any
 import torch
 
 
+class GrammarFailure(RuntimeError):
+    """A request's grammar cannot go on (no token allowed, or the library's matcher failed): the engine
+    ends that request, with this message as its error, and serves the others."""
+
+
 class GrammarState:
     """The matcher of one output: advanced by every token the request emits, rolled back after draft checks."""
 
@@ -54,10 +59,15 @@ class GrammarState:
             self._consume(token)
             fill_next_token_bitmask(self._matcher, bitmask, row)
         if ends and not self._matcher.rollback(ends):
-            raise RuntimeError(f"structured outputs: rollback failed: {self._matcher.get_error()}")
+            raise GrammarFailure(f"structured outputs: rollback failed: {self._matcher.get_error()}")
         allowed = unpack(torch.from_numpy(bitmask), self.vocab_size, device)
         if self._forbidden:
-            allowed[:, self._forbidden] = False
+            # Only where the grammar may end: there llguidance can allow the tokenizer's own end-of-text
+            # token beside the EOS it was given. A grammar that asks for a special token mid-way keeps it.
+            ends = allowed[:, list(self._eos)].any(dim=1)
+            allowed[ends.nonzero().flatten().unsqueeze(1), torch.tensor(self._forbidden, device=device)] = False
+        if not bool(allowed[0].any()):
+            raise GrammarFailure("structured outputs: the grammar allows no token at this point")
         return allowed
 
     def mask_after(self, tokens: list[int], device: torch.device | str) -> torch.Tensor | None:
@@ -66,22 +76,30 @@ class GrammarState:
         The matcher is left where it was."""
         if any(t in self._eos for t in tokens) or (tokens and self._matcher.validate_tokens(tokens) != len(tokens)):
             return None
-        return self.masks(tokens, device)[-1]
+        try:
+            return self.masks(tokens, device)[-1]
+        except GrammarFailure:  # the step that samples this request will end it; a proposer just stops
+            return None
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from here (an EOS ends the count)."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
 
     def accept(self, token: int) -> None:
         """Advance by an emitted token (one the mask allowed).
 
         Raises:
-            RuntimeError: the grammar refuses it - a token chosen outside the mask, an engine bug.
+            GrammarFailure: the grammar refuses it (a token chosen outside the mask: an engine bug).
         """
         # validate_tokens checks grammar tokens only; an EOS is checked by consuming it (the request ends).
         if token not in self._eos and self._matcher.validate_tokens([token]) != 1:
-            raise RuntimeError(f"structured outputs: token {token} was emitted but the grammar refuses it")
+            raise GrammarFailure(f"structured outputs: token {token} was emitted but the grammar refuses it")
         self._consume(token)
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"structured outputs: the grammar failed on token {token}: {self._matcher.get_error()}")
+            reason = self._matcher.get_error()
+            raise GrammarFailure(f"structured outputs: the grammar failed on token {token}: {reason}")
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str) -> torch.Tensor:
