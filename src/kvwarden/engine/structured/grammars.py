@@ -43,8 +43,8 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
-        # Special tokens other than the model's EOS never belong to a constrained output; llguidance's mask
-        # can allow the tokenizer's own end-of-text token beside the EOS it was given, so they are cleared.
+        # llguidance's mask where a grammar may end can allow the tokenizer's own end-of-text token beside the
+        # EOS it was given: special tokens other than the model's EOS are cleared there (GrammarState.masks).
         added = tokenizer.backend.get_added_tokens_decoder()
         self._specials = tuple(sorted(i for i, t in added.items() if t.special and i not in self.eos_token_ids))
         self._cache_size = cache_size

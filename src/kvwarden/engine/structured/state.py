@@ -31,7 +31,7 @@ class GrammarState:
         matcher: the request's own llguidance matcher.
         vocab_size: the width of the logits.
         eos_token_ids: the tokens that end the output (allowed once the grammar is complete).
-        forbidden: ids never allowed whatever the matcher says (special tokens other than EOS).
+        forbidden: ids never allowed where an EOS is (special tokens other than EOS: see ``masks``).
         """
         self._matcher = matcher
         self.vocab_size = vocab_size
