@@ -286,3 +286,10 @@ def test_the_invoice_suite_on_smollm2_in_kvwarden_and_vllm_cpu(
     args = ["--launcher", "vllm", "--model", str(smollm2_hf), "--block-size", "32", "--tasks", "5", *SUITE]
     args += ["--max-tokens", "32"]
     suite_checked(measure, "suite-vllm-cpu-smollm2", *args)
+
+
+def test_the_invoice_suite_on_llama_cpp_sends_the_schema_its_own_way(llama_server: Path, measure: Measure) -> None:
+    """llama-server reads the answer schema from its own ``json_schema`` field (the probe's default with this
+    launcher) and ignores ``cache_salt``, so its clean arm shares blocks like the contaminated one."""
+    args = ["--launcher", "llama.cpp", "--model", "smollm2", "--tasks", "3", *SUITE]
+    suite_checked(measure, "suite-llama.cpp-smollm2", *args)
