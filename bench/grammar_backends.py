@@ -79,21 +79,23 @@ class Llguidance:
             m.grammar_from_regex(spec))  # fmt: skip
         return m(self.tok, grammar, log_level=0)
 
-    def walk(self, template: Any, rng: random.Random, limit: int) -> tuple[list[int], float, int]:
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+    def start(self, template: Any) -> Any:
+        from llguidance.numpy import allocate_token_bitmask
 
-        matcher, out, spent = template.deep_copy(), [], 0.0
-        bitmask = allocate_token_bitmask(1, self.vocab)
-        for _ in range(limit):
-            t0 = time.perf_counter()
-            fill_next_token_bitmask(matcher, bitmask, 0)
-            spent += time.perf_counter() - t0
-            token = _pick(bitmask[0], self.vocab, rng)
-            if token in self.eos or token < 0:
-                break
-            matcher.consume_token(token)
-            out.append(token)
-        return out, spent, len(out) + 1
+        return template.deep_copy(), allocate_token_bitmask(1, self.vocab)
+
+    def fill(self, state: Any) -> np.ndarray:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        matcher, bitmask = state
+        fill_next_token_bitmask(matcher, bitmask, 0)
+        return bitmask[0]
+
+    def ids(self, words: np.ndarray) -> np.ndarray:
+        return _allowed_ids(words, self.vocab)
+
+    def advance(self, state: Any, token: int) -> None:
+        state[0].consume_token(token)
 
 
 class Xgrammar:
@@ -115,19 +117,19 @@ class Xgrammar:
             return self.compiler.compile_json_schema(spec, any_whitespace=False)
         return self.compiler.compile_regex(spec)
 
-    def walk(self, compiled: Any, rng: random.Random, limit: int) -> tuple[list[int], float, int]:
-        matcher, out, spent = self.xgr.GrammarMatcher(compiled), [], 0.0
-        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab)
-        for _ in range(limit):
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask)
-            spent += time.perf_counter() - t0
-            token = _pick(bitmask[0].numpy(), self.vocab, rng)
-            if token in self.eos or token < 0:
-                break
-            matcher.accept_token(token)
-            out.append(token)
-        return out, spent, len(out) + 1
+    def start(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled), self.xgr.allocate_token_bitmask(1, self.vocab)
+
+    def fill(self, state: Any) -> Any:
+        matcher, bitmask = state
+        matcher.fill_next_token_bitmask(bitmask)
+        return bitmask[0]
+
+    def ids(self, words: Any) -> np.ndarray:
+        return _allowed_ids(words.numpy(), self.vocab)
+
+    def advance(self, state: Any, token: int) -> None:
+        state[0].accept_token(token)
 
 
 class OutlinesCore:
@@ -151,25 +153,40 @@ class OutlinesCore:
         regex = self.oc.json_schema.build_regex_from_schema(spec) if kind == "json" else spec
         return self.oc.Index(regex, self.vocabulary)
 
-    def walk(self, index: Any, rng: random.Random, limit: int) -> tuple[list[int], float, int]:
-        guide, out, spent = self.oc.Guide(index), [], 0.0
-        for _ in range(limit):
-            t0 = time.perf_counter()
-            allowed = guide.get_tokens()
-            spent += time.perf_counter() - t0
-            token = rng.choice(allowed)
-            if token in self.eos:
-                break
-            guide.advance(token)
-            out.append(token)
-        return out, spent, len(out) + 1
+    def start(self, index: Any) -> Any:
+        return self.oc.Guide(index)
+
+    def fill(self, guide: Any) -> list[int]:
+        return guide.get_tokens()  # allowed ids, straight from the index
+
+    def ids(self, allowed: list[int]) -> list[int]:
+        return allowed
+
+    def advance(self, guide: Any, token: int) -> None:
+        guide.advance(token)
 
 
-def _pick(words: np.ndarray, vocab: int, rng: random.Random) -> int:
-    """A uniformly random allowed token of a packed int32 bitmask row (-1 when none is allowed)."""
+def walk(backend: Any, compiled: Any, rng: random.Random, limit: int) -> tuple[list[int], float, int]:
+    """One random walk: at each step the library's mask (timed), then a seeded random allowed token, until
+    an EOS, no allowed token, or ``limit`` tokens. Returns the tokens, seconds spent in masks, masks made."""
+    state, out, spent = backend.start(compiled), [], 0.0
+    for _ in range(limit):
+        t0 = time.perf_counter()
+        mask = backend.fill(state)
+        spent += time.perf_counter() - t0
+        allowed = backend.ids(mask)
+        token = int(allowed[rng.randrange(len(allowed))]) if len(allowed) else -1
+        if token in backend.eos or token < 0:
+            break
+        backend.advance(state, token)
+        out.append(token)
+    return out, spent, len(out) + 1
+
+
+def _allowed_ids(words: np.ndarray, vocab: int) -> np.ndarray:
+    """The allowed ids of a packed int32 bitmask row (bit ``i % 32`` of word ``i // 32``)."""
     bits = np.unpackbits(words.astype("<i4").view(np.uint8), bitorder="little")[:vocab]
-    allowed = np.flatnonzero(bits)
-    return int(allowed[rng.randrange(len(allowed))]) if len(allowed) else -1
+    return np.flatnonzero(bits)
 
 
 def _raw_bytes(token: str) -> bytes:
@@ -200,7 +217,7 @@ def measure(backend_cls: type, llm: LLM, model: str, walks: int) -> list[dict]:
         compile_s = time.perf_counter() - t0
         rng, masks, spent, invalid, unfinished = random.Random(0), 0, 0.0, [], 0
         for _ in range(walks):
-            tokens, seconds, steps = backend.walk(compiled, rng, 200)
+            tokens, seconds, steps = walk(backend, compiled, rng, 200)
             masks, spent = masks + steps, spent + seconds
             text = llm.tokenizer.decode(tokens)
             ok = schema_valid(text) if kind == "json" else re.fullmatch(DATE, text) is not None

@@ -191,24 +191,20 @@ def test_bad_constraints_are_400s_naming_the_field_and_lose_nothing(server: Serv
         error = info.value.body
         assert info.value.status_code == 400 and error["param"] == param, (extra, error)
         assert param.split(".")[-1] in error["message"], error
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}},
-        )  # fmt: skip
-    assert info.value.body["param"] == "response_format.json_schema.schema", info.value.body
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_schema", "json_schema": {"name": "x"}},
-        )  # fmt: skip
-    assert info.value.body["param"] == "response_format.json_schema", info.value.body
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_object", "json_schema": {"name": "x", "schema": INVOICE}},
-        )  # fmt: skip
-    assert info.value.body["param"] == "response_format.json_schema", info.value.body
+    bad_formats = [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema"),
+        ({"type": "json_object", "json_schema": {"name": "x", "schema": INVOICE}}, "response_format.json_schema"),
+    ]
+    for response_format, param in bad_formats:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], response_format=response_format
+            )
+        assert info.value.body["param"] == param, info.value.body
     # the server is up, serves a constrained request, and every block is back in the pool
     ok = complete(client, "Hello", {"guided_choice": ["yes", "no"]})
     assert ok.choices[0].text in ("yes", "no")
