@@ -37,6 +37,8 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 
 def parse() -> argparse.Namespace:
@@ -80,10 +82,19 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int, device: str):
     return tokens, logprobs
 
 
+def load_reference(path: Path, dtype: Any) -> Any:
+    """transformers' model of a checkpoint directory, or of a GGUF file (transformers dequantizes it itself:
+    agreement then also checks kvwarden's own GGUF reader)."""
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+
+
 def main() -> int:
     args = parse()
     import torch
-    from transformers import AutoModelForCausalLM
 
     from kvwarden.config import resolve_device
     from kvwarden.models.sources import resolve_model
@@ -98,16 +109,16 @@ def main() -> int:
     summary: dict[str, dict] = {}
     for model in args.model or ["builtin:llama-small"]:
         path = resolve_model(model)
-        vocab = min(json.loads((path / "config.json").read_text())["vocab_size"], 8000)
+        hf = load_reference(path, getattr(torch, args.dtype)).to(device).eval()
+        vocab = min(hf.config.vocab_size, 8000)
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(args.prompts)]
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).to(device).eval()
         start = time.perf_counter()
         refs = [hf_greedy(hf, p, args.max_tokens, device) for p in prompts]
         hf_seconds = time.perf_counter() - start
         del hf
         truths = None
         if args.truth:  # the bfloat16-rounded weights, computed in float32
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).float().to(device).eval()
+            hf = load_reference(path, torch.bfloat16).float().to(device).eval()
             with torch.no_grad():
                 truths = [
                     torch.log_softmax(hf(torch.tensor([p], device=device)).logits[0, -1].float(), -1).cpu()

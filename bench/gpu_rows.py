@@ -46,14 +46,31 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times[1:])[5]
 
 
+def model_config(model: str) -> dict[str, Any]:
+    """The model's Hugging Face config: its config.json, or for a GGUF file what transformers reads from it."""
+    from kvwarden.models.sources import resolve_model
+
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    return json.loads((path / "config.json").read_text())
+
+
 def model_bytes(model: str) -> tuple[int, int]:
     """(bytes of weights a decode step reads, KV bytes per token) from the checkpoint and its config."""
     from kvwarden.models.sources import resolve_model
 
     path = resolve_model(model)
-    cfg = json.loads((path / "config.json").read_text())
-    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    width = 2 if cfg.get("torch_dtype", "bfloat16") in ("bfloat16", "float16") else 4
+    cfg = model_config(model)
+    if path.suffix == ".gguf":  # dequantized on load: the device holds bfloat16 weights
+        from gguf import GGUFReader
+
+        total, width = 2 * sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors), 2
+    else:
+        total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        width = 2 if cfg.get("torch_dtype", "bfloat16") in ("bfloat16", "float16") else 4
     if not cfg.get("tie_word_embeddings", False):  # the embedding table is looked up, not read whole
         total -= cfg["vocab_size"] * cfg["hidden_size"] * width
     layer_types = cfg.get("layer_types")
@@ -65,9 +82,7 @@ def model_bytes(model: str) -> tuple[int, int]:
 
 
 def vocab_of(model: str) -> int:
-    from kvwarden.models.sources import resolve_model
-
-    return json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"]
+    return model_config(model)["vocab_size"]
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -95,9 +110,7 @@ def floor_seconds(reqs: list[tuple[list[int], int]], weights: int, kv_per_token:
 def block_size_for(model: str) -> int:
     """16 for dense models; 256 for hybrids, whose every block carries a boundary state (18 MB per block on
     qwen3_next-0.6b against 3 MB of KV at 256 tokens): as vLLM raises a hybrid's block size to its state's page."""
-    from kvwarden.models.sources import resolve_model
-
-    types = json.loads((resolve_model(model) / "config.json").read_text()).get("layer_types") or []
+    types = model_config(model).get("layer_types") or []
     return 256 if any(t in ("linear_attention", "mamba") for t in types) else 16
 
 
@@ -182,16 +195,24 @@ def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[st
     return rows
 
 
-def spec_rows(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def spec_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy decode with the MTP head proposing 2 tokens against speculation off: speed and equality."""
     from kvwarden import SamplingParams
+    from kvwarden.models.bundled import documents
 
     rows = []
-    prompts_all = [[random.Random(i).randrange(3, vocab) for _ in range(128)] for i in range(16)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
+    # Windows of the bundled documents, not random ids: a model trained on that text (make-model
+    # --train-steps) continues it the way its MTP head was fitted to predict; random ids are no one's input.
+    text = "\n\n".join(d.text for d in documents())
     outs: dict[str, Any] = {}
+    prompts_all: list[list[int]] = []
     for name, spec in (("off", None), ("on", {"method": "mtp", "num_speculative_tokens": 2})):
         engine = llm(model, args, "canonical", max_num_seqs=64, enable_prefix_caching=False, speculative_config=spec)
+        if not prompts_all:
+            ids = engine.tokenizer.encode(text)
+            stride = max(128, (len(ids) - 128) // 16)
+            prompts_all = [ids[i * stride : i * stride + 128] for i in range(16)]
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
         engine.generate([[5] * 8], SamplingParams(max_tokens=4))
         for batch in (1, 16):
             sync(args.device)
@@ -268,5 +289,5 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
     if args.part == "ttft":
         return {"rows": ttft_rows(args.model, args, vocab, [args.engine])}
     if args.part == "spec":
-        return {"rows": spec_rows(args.model, args, vocab)}
+        return {"rows": spec_rows(args.model, args)}
     return {"table": profile_steps(args.model, args, vocab, batch=16, prompt=512)}

@@ -26,7 +26,12 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", help="compute dtype of both engines")
+    p.add_argument(
+        "--dtype",
+        action="append",
+        help="compute dtype of both engines, optionally with its bound as DTYPE:TOL (repeatable: each "
+        "checkpoint is written once and checked in every dtype; default float32 at --tol)",
+    )
     p.add_argument("--weights-dtype", default="bfloat16", help="dtype of the written checkpoints")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--prompts", type=int, default=8)
@@ -36,9 +41,18 @@ def main() -> int:
     p.add_argument("--tol", type=float, default=1e-3, help="max |Δ logprob| over likely tokens")
     p.add_argument("--only", action="append", help="config name (repeatable)")
     args = p.parse_args()
+    dtypes = []
+    for spec in args.dtype or ["float32"]:
+        dt, _, tol = spec.partition(":")
+        if dt not in ("float32", "bfloat16", "float16"):
+            p.error(f"--dtype: {dt!r} is not float32, bfloat16 or float16")
+        try:
+            dtypes.append((dt, float(tol) if tol else args.tol))
+        except ValueError:
+            p.error(f"--dtype {spec}: the bound after ':' must be a number")
     import torch
 
-    from kvwarden.bench.real_configs import sweep_config
+    from kvwarden.bench.real_configs import sweep_config_dtypes
 
     torch.set_num_threads(torch.get_num_threads())
     names = args.only or sorted(f.stem for f in CONFIGS.glob("*.json"))
@@ -47,29 +61,35 @@ def main() -> int:
         for name in names:
             config = json.loads((CONFIGS / f"{name}.json").read_text())
             large = int(config.get("hidden_size", 0)) >= 3072
-            row = sweep_config(
-                name, config, Path(tmp), layers=args.layers, prompts=args.large_prompts if large else args.prompts,
-                tokens=args.tokens, device=args.device, dtype=args.dtype, weights_dtype=args.weights_dtype,
-                max_experts=args.max_experts or None, tol=args.tol,
+            got = sweep_config_dtypes(
+                name, config, Path(tmp), dtypes=dtypes, layers=args.layers,
+                prompts=args.large_prompts if large else args.prompts, tokens=args.tokens, device=args.device,
+                weights_dtype=args.weights_dtype, max_experts=args.max_experts or None,
             )  # fmt: skip
-            print(f"[sweep] {name}: {row.status} ({row.seconds:.0f} s) {row.detail}", file=sys.stderr, flush=True)
-            rows.append(row)
-    print(f"\nSweep ({args.device}, {args.dtype}, first {args.layers} layers, {args.tokens} greedy tokens):")
+            for row in got:
+                print(
+                    f"[sweep] {name} {row.dtype}: {row.status} ({row.seconds:.0f} s) {row.detail}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            rows.extend(got)
+    shown = ", ".join(f"{dt} (bound {tol:g})" for dt, tol in dtypes)
+    print(f"\nSweep ({args.device}, {shown}, first {args.layers} layers, {args.tokens} greedy tokens):")
     print(
-        "| configuration | architecture | shape | result | greedy equal | max \\|Δ\\| likely / top-20 | invariance "
-        "| s |"
+        "| configuration | dtype | architecture | shape | result | greedy equal | max \\|Δ\\| likely / top-20 "
+        "| invariance | s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         inv = " ".join(f"{k}:{'same' if v else 'DIFF'}" for k, v in r.invariance.items()) or "-"
         result = r.status if r.status != "refused" else f"refused: {r.detail}"
         eq = f"{r.greedy_equal}/{r.prompts}" if r.prompts else "-"
         print(
-            f"| {r.name} | {r.architecture} | {r.shape} | {result} | {eq} "
+            f"| {r.name} | {r.dtype} | {r.architecture} | {r.shape} | {result} | {eq} "
             f"| {r.max_dlogprob_likely:.1e} / {r.max_dlogprob_top20:.1e} | {inv} "
             f"| {r.seconds:.0f} |"
         )
-    print(json.dumps({"bench": "sweep", "device": args.device, "dtype": args.dtype, "rows": [asdict(r) for r in rows]}))
+    print(json.dumps({"bench": "sweep", "device": args.device, "dtypes": dtypes, "rows": [asdict(r) for r in rows]}))
     return 0 if all(r.status in ("agrees", "refused") for r in rows) else 1
 
 

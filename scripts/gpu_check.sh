@@ -16,9 +16,11 @@
 #   scripts/gpu_check.sh full tests fla hybridspeed hybridprofile   # the hybrid family: kernels, fla, rows, profile
 #   scripts/gpu_check.sh full hybridmatrix truth      # (a)-(j) on both hybrids; bf16 error against float32 truth
 #   scripts/gpu_check.sh full sweep                   # the published configurations (bench/configs/), f32 and bf16
+#   scripts/gpu_check.sh full smollm2                 # the real SmolLM2 GGUF (parts carried by scripts/gpu_carry.sh)
+#   scripts/gpu_check.sh full mtptrain                # train qwen3_next-small on the bundled text, fit MTP, k=2 vs off
 #
 # Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd,
-# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep
+# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -36,6 +38,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+# Files too large for one call arrive in parts (scripts/gpu_carry.sh, carry [".gpu"]); /tmp outlives a call
+# while the machine stays warm, so the parts of consecutive calls meet in /tmp/kvw-carry.
+CARRY=/tmp/kvw-carry
+mkdir -p "$CARRY"
+[ -d .gpu ] && cp -r .gpu/. "$CARRY"/
 T0=$(date +%s)
 declare -a SUMMARY
 stage() { echo; echo "=== [+$(( $(date +%s) - T0 ))s] $*"; }
@@ -184,15 +191,47 @@ if want truth; then  # bfloat16 error of kvwarden and of transformers against tr
   record "truth: median|max first-token error (kvwarden, hf)" "$(python3 -c "import json; d=json.load(open('$OUT/truth.json'))['models']; print({m: s.get('truth') for m, s in d.items()})" 2>&1 | tail -n 1)"
 fi
 
-if [ "$MODE" = full ] && want sweep; then  # every published configuration, all experts, both dtypes
-  for DT in float32 bfloat16; do
-    TOL=$([ "$DT" = float32 ] && echo 1e-3 || echo 0.25)
-    stage "sweep over published configurations on the GPU, $DT (bench/sweep.py, bound $TOL)"
-    timeout "${SWEEP_TIMEOUT:-280}" python3 bench/sweep.py --device cuda --dtype "$DT" --tol "$TOL" ${SWEEP_ARGS:-} \
-      2>&1 | tee "$OUT/sweep-$DT.log" | grep '^|'
-    tail -n 1 "$OUT/sweep-$DT.log" > "$OUT/sweep-$DT.json"
-    record "sweep $DT: rows agreeing or refused" "$(python3 -c "import json; r=json.load(open('$OUT/sweep-$DT.json'))['rows']; print(sum(x['status'] in ('agrees', 'refused') for x in r), 'of', len(r))" 2>&1 | tail -n 1)"
-  done
+if [ "$MODE" = full ] && want sweep; then  # every published configuration, both dtypes from one checkpoint each
+  stage "sweep over published configurations on the GPU, float32 (bound 1e-3) and bfloat16 (0.25), experts <= ${SWEEP_EXPERTS:-64}"
+  timeout "${SWEEP_TIMEOUT:-420}" python3 bench/sweep.py --device cuda --dtype float32:1e-3 --dtype bfloat16:0.25 \
+    --max-experts "${SWEEP_EXPERTS:-64}" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | grep -e '^|' -e '^\[sweep\]'
+  tail -n 1 "$OUT/sweep.log" > "$OUT/sweep.json"
+  record "sweep: rows agreeing or refused (f32, bf16)" "$(python3 -c "import json; r=json.load(open('$OUT/sweep.json'))['rows']; print(*(f\"{d}: {sum(x['status'] in ('agrees', 'refused') for x in r if x['dtype'] == d)} of {sum(x['dtype'] == d for x in r)}\" for d in ('float32', 'bfloat16')))" 2>&1 | tail -n 1)"
+fi
+
+if want smollm2; then  # the real model: its GGUF joined from the carried parts, checked against its sha256
+  GGUF="$CARRY/SmolLM2-135M-Instruct.Q4_1.gguf"
+  stage "SmolLM2-135M (real weights, GGUF dequantized on load): agreement with transformers and a speed line"
+  if [ ! -f "$GGUF" ] && ls "$CARRY"/SmolLM2-135M-Instruct.Q4_1.gguf.part*-of-* >/dev/null 2>&1; then
+    N=$(ls "$CARRY"/SmolLM2-135M-Instruct.Q4_1.gguf.part1-of-* | sed 's/.*-of-//')
+    if [ "$(ls "$CARRY"/SmolLM2-135M-Instruct.Q4_1.gguf.part*-of-"$N" | wc -l)" = "$N" ]; then
+      for K in $(seq 1 "$N"); do cat "$CARRY/SmolLM2-135M-Instruct.Q4_1.gguf.part$K-of-$N"; done > "$GGUF.tmp"
+      mv "$GGUF.tmp" "$GGUF"
+    fi
+  fi
+  if [ -f "$GGUF" ] && (cd "$CARRY" && sha256sum -c SmolLM2-135M-Instruct.Q4_1.gguf.sha256); then
+    for DT in float32 bfloat16; do
+      timeout 240 python3 bench/agreement.py --device cuda --dtype "$DT" --model "$GGUF" --prompts 8 \
+        2>&1 | tee "$OUT/smollm2-agreement-$DT.log" | grep '^|'
+      tail -n 1 "$OUT/smollm2-agreement-$DT.log" > "$OUT/smollm2-agreement-$DT.json"
+      record "smollm2 agreement $DT (equal, prompts, median)" "$(python3 -c "import json; d=json.load(open('$OUT/smollm2-agreement-$DT.json'))['models']; print([(s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for s in d.values()])" 2>&1 | tail -n 1)"
+    done
+    SPEED_TIMEOUT=${SMOLLM2_TIMEOUT:-300} speed gpu_smollm2 --model "$GGUF" --hybrid none --skip-transformers \
+      --num-requests 256 --batches 1,16,64,256 --prompts 1024,4096 --row-engines canonical,fast
+    record "smollm2: offline tok/s, decode b1..b256 canonical" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_smollm2.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, [round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+  else
+    record "smollm2" "GGUF parts incomplete or sha256 mismatch: $(ls "$CARRY" | tr '\n' ' ')"
+  fi
+fi
+
+if [ "$MODE" = full ] && want mtptrain; then  # acceptance that means something: a trained target, a fitted head
+  TRAINED="$KVWARDEN_HOME/qwen3_next-small-trained"
+  stage "MTP on a trained target: qwen3_next-small trained ${TRAIN_STEPS:-600} steps on the bundled text, head fitted, k=2 vs off"
+  rm -rf "$TRAINED"
+  timeout 300 python3 -m kvwarden.cli make-model --arch qwen3_next --preset small --out "$TRAINED" \
+    --train-steps "${TRAIN_STEPS:-600}" --fit-mtp --device cuda 2>&1 | grep -v -e Loading -e Writing | tee "$OUT/mtptrain.log" | tail -n 8
+  SPEED_TIMEOUT=240 speed gpu_mtp --model "$TRAINED" --hybrid none --skip-offline --skip-rows --spec-model "$TRAINED"
+  record "MTP k=2 on trained small (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_mtp.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d['spec']])" 2>&1 | tail -n 1)"
 fi
 
 if want hosttier; then

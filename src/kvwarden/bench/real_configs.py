@@ -19,7 +19,7 @@ import random
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ class SweepRow:
     """One configuration's result."""
 
     name: str
+    dtype: str = "float32"  # the compute dtype of both engines
     architecture: str = ""
     shape: str = ""
     status: str = "agrees"  # agrees | differs | refused | error
@@ -72,36 +73,80 @@ def sweep_config(
     config: dict[str, Any],
     workdir: Path,
     *,
+    dtype: str = "float32",
+    tol: float = 1e-3,
+    **kw: Any,
+) -> SweepRow:
+    """One configuration in one compute dtype: :func:`sweep_config_dtypes` with ``[(dtype, tol)]``."""
+    return sweep_config_dtypes(name, config, workdir, dtypes=((dtype, tol),), **kw)[0]
+
+
+def sweep_config_dtypes(
+    name: str,
+    config: dict[str, Any],
+    workdir: Path,
+    *,
+    dtypes: tuple[tuple[str, float], ...] = (("float32", 1e-3),),
     layers: int = 2,
     prompts: int = 8,
     tokens: int = 32,
     device: str = "cpu",
-    dtype: str = "float32",
     weights_dtype: str = "bfloat16",
     max_experts: int | None = None,
     properties: tuple[str, ...] = ("b", "e", "f"),
-    tol: float = 1e-3,
-) -> SweepRow:
-    """Write, load, compare and check one configuration; ``max_experts`` caps a MoE's expert count (memory)."""
+) -> list[SweepRow]:
+    """Write one configuration's checkpoint once, then load, compare and check it in each ``(dtype, bound)``.
+
+    ``max_experts`` caps a MoE's expert count (memory and the time to write the weights); the bound is the
+    largest |Δ logprob| allowed over likely tokens (ten times it over the whole top-20).
+    """
     from kvwarden.models.make_model import make_model_from_config
 
-    row = SweepRow(name)
+    base = SweepRow(name)
     start = time.perf_counter()
     config = dict(config)
     if max_experts:
         for key in ("num_experts", "num_local_experts"):
             if int(config.get(key) or 0) > max_experts:
                 config[key] = max_experts
-                row.detail = f"{key} cut to {max_experts} (memory); "
+                base.detail = f"{key} cut to {max_experts} (memory); "
     out = workdir / name
     try:
         make_model_from_config(config, out, seed=0, num_layers=layers, dtype=weights_dtype)
         cfg = ModelConfig.from_dir(out)
     except ValueError as e:  # refused at load: the message must name the field
-        row.status, row.detail = "refused", str(e)
-        row.seconds = time.perf_counter() - start
-        return row
-    row.architecture, row.shape = cfg.architecture, shape_of(cfg)
+        base.status, base.detail = "refused", str(e)
+        base.seconds = time.perf_counter() - start
+        shutil.rmtree(out, ignore_errors=True)
+        return [replace(base, dtype=dt) for dt, _ in dtypes]
+    base.architecture, base.shape = cfg.architecture, shape_of(cfg)
+    written = time.perf_counter() - start  # shared by the dtypes: each row counts it once
+    rows = []
+    try:
+        for dt, tol in dtypes:
+            row = replace(base, dtype=dt, invariance={})
+            _check(row, out, cfg, prompts, tokens, device, dt, tol, properties)
+            row.seconds = written + row.seconds
+            rows.append(row)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        gc.collect()
+    return rows
+
+
+def _check(
+    row: SweepRow,
+    out: Path,
+    cfg: ModelConfig,
+    prompts: int,
+    tokens: int,
+    device: str,
+    dtype: str,
+    tol: float,
+    properties: tuple[str, ...],
+) -> None:
+    """Agreement with transformers and the invariance subset, in one dtype; a crash is a result, with its cause."""
+    start = time.perf_counter()
     try:
         rng = random.Random(0)
         vocab = min(cfg.vocab_size, 1000)
@@ -109,19 +154,20 @@ def sweep_config(
         batch = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
         refs = _transformers(out, batch, tokens, device, dtype)
         _agreement(row, out, batch, refs, tokens, device, dtype)
-        if (row.max_dlogprob_likely > tol or row.max_dlogprob_top20 > 10 * tol) and row.status == "agrees":
-            row.status = "differs"
+        if row.max_dlogprob_likely > tol:
+            row.status, row.detail = "differs", row.detail + f"; likely tokens past the bound {tol:g}"
+        if row.max_dlogprob_top20 > 10 * tol:
+            row.status, row.detail = "differs", row.detail + f"; top-20 past 10x the bound ({10 * tol:g})"
         if properties:
             _invariance(row, out, device, dtype, properties)
-            if not all(row.invariance.values()):
-                row.status = "differs"
+            failed = [k for k, same in row.invariance.items() if not same]
+            if failed:
+                row.status, row.detail = "differs", row.detail + f"; properties {', '.join(failed)} not bitwise"
     except Exception as e:  # a crash is a result of the sweep, reported with its cause
         row.status, row.detail = "error", row.detail + f"{type(e).__name__}: {e}"
     finally:
-        shutil.rmtree(out, ignore_errors=True)
         gc.collect()
     row.seconds = time.perf_counter() - start
-    return row
 
 
 def _transformers(path: Path, batch: list[list[int]], tokens: int, device: str, dtype: str) -> list[tuple]:

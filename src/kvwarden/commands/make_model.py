@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from kvwarden.models.presets import ARCHS, PRESETS
 
@@ -33,6 +35,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--out", required=True, help="output directory (created if missing)")
     p.add_argument(
+        "--train-steps",
+        type=int,
+        metavar="N",
+        help="then train the weights for N steps on the bundled text (2K tokens a step), so the model's "
+        "continuations are learnable and a fitted drafter accepts like a real model's (a few hundred steps: "
+        "minutes on CPU for the tiny and small presets)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device for --train-steps and for the target's continuations of --fit-mtp / --fit-draft "
+        "(cpu, cuda; the drafters themselves are fitted on the CPU)",
+    )
+    p.add_argument(
         "--fit-mtp",
         action="store_true",
         help="then fit the model's MTP head (qwen3_next only) to its own greedy continuations of bundled text, "
@@ -58,18 +74,30 @@ def run(args: argparse.Namespace) -> int:
         args.parser.error(f"--fit-mtp: only qwen3_next checkpoints carry an MTP head, not --arch {args.arch}")
     from kvwarden.models.make_model import make_model
 
+    if args.train_steps is not None and args.train_steps < 1:
+        args.parser.error(f"--train-steps: must be >= 1, got {args.train_steps}")
+    if args.device != "cpu" and not (args.train_steps or args.fit_mtp or args.fit_draft):
+        args.parser.error("--device: only with --train-steps, --fit-mtp or --fit-draft")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            args.parser.error(f"--device {args.device}: no CUDA device here")
     out = make_model(args.arch, args.preset, args.seed, args.out)
     print(f"wrote {args.arch}/{args.preset} (seed {args.seed}) to {out}")
-    if not (args.fit_mtp or args.fit_draft):
-        return 0
-    from kvwarden.models.fit_draft import distillation_data, fit_draft_model, fit_mtp
 
     def say(msg: str) -> None:
         print(msg, flush=True)
 
+    if args.train_steps is not None:
+        _train(args, out, say)
+    if not (args.fit_mtp or args.fit_draft):
+        return 0
+    from kvwarden.models.fit_draft import distillation_data, fit_draft_model, fit_mtp
+
     # One set of continuations serves both fits: generating them is much of the cost.
     start = time.perf_counter()
-    data = distillation_data(out, args.seed, progress=say, tag="fit")
+    data = distillation_data(out, args.seed, progress=say, tag="fit", device=args.device)
     say(f"[fit] {len(data.tokens)} continuations in {time.perf_counter() - start:.0f} s")
     results = {}
     if args.fit_mtp:
@@ -87,16 +115,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace, out: Path, say: Callable[[str], None]) -> None:
+    from kvwarden.models.train_preset import train_preset
+
+    r = train_preset(out, args.train_steps, args.seed, args.device, progress=say)
+    print(
+        f"trained {r['steps']} steps ({r['tokens']} tokens, {r['seconds']:.0f} s): held-out loss "
+        f"{r['initial_heldout_loss']:.3f} -> {r['heldout_loss']:.3f} nats/token"
+    )
+
+
 def _from_config(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from kvwarden.models.make_model import make_model_from_config
 
     if args.arch is not None:
         args.parser.error("--config: replaces --arch (the family comes from the config's architectures)")
-    if args.fit_mtp or args.fit_draft:
-        args.parser.error("--fit-mtp / --fit-draft: only with --arch")
+    if args.fit_mtp or args.fit_draft or args.train_steps is not None or args.device != "cpu":
+        args.parser.error("--train-steps / --fit-mtp / --fit-draft / --device: only with --arch")
     if args.num_layers is not None and args.num_layers < 1:
         args.parser.error(f"--num-layers: must be >= 1, got {args.num_layers}")
     path = Path(args.config)

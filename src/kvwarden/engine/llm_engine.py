@@ -83,6 +83,10 @@ class LLMEngine:
             )
         # A recurrent-state snapshot lives with its block: count it in the per-block budget.
         per_block = kv_bytes_per_block(model, cache.block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
+        if config.speculative is not None and config.speculative.method == "mtp":
+            # NOTE: the MTP head's attention layer has a KV cache with the pool's slots (spec/mtp.py): count it,
+            # or a GPU pool sized to gpu_memory_utilization leaves no room for it (seen on an H200: OOM).
+            per_block += kv_bytes_per_block(model, cache.block_size) // max(model.num_attention_layers, 1)
         self.num_blocks = cache.num_blocks or max(
             2, cache_budget(config, self.device, self.model_config, specs) // per_block
         )

@@ -55,17 +55,25 @@ def _say(progress: Progress, msg: str) -> None:
 
 
 def distillation_data(
-    model_dir: Path, seed: int = 0, num_prompts: int = NUM_PROMPTS, progress: Progress = None, tag: str = "fit"
+    model_dir: Path,
+    seed: int = 0,
+    num_prompts: int = NUM_PROMPTS,
+    progress: Progress = None,
+    tag: str = "fit",
+    device: str = "cpu",
 ) -> Distillation:
     """Greedy continuations of bundled-text windows by the target, plus its labels and hidden states.
 
     One in eight prompts is held out; those come from the last part of the text only,
-    so no held-out prompt overlaps a training one.
+    so no held-out prompt overlaps a training one. ``device`` runs the target (the costly
+    part); what is returned lives on the CPU, where the drafters are fitted.
     """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = model.to(device).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tok.model_max_length = 1 << 30  # the whole text is tokenized once and cut into windows: no overflow warning
     text = corpus_text() + "\n\n" + "\n\n".join(d.text for d in documents())
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
@@ -80,14 +88,16 @@ def distillation_data(
     greedy = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad}
     tokens, labels, hidden = [], [], []
     with torch.no_grad():
-        for batch in prompts.split(128):
+        for batch in prompts.to(device).split(128):
             seq = model.generate(batch, attention_mask=torch.ones_like(batch), **greedy)
             # One teacher-forced pass gives the labels and the hidden states the runtime feeds the MTP head.
             h = model.model(input_ids=seq).last_hidden_state
-            tokens.append(seq)
-            labels.append(torch.cat([model.lm_head(x).argmax(-1) for x in h.split(8)]))  # bounded logits memory
-            hidden.append(h)
-    embed, lm_head = (m.weight.detach().clone() for m in (model.get_input_embeddings(), model.get_output_embeddings()))
+            tokens.append(seq.cpu())
+            labels.append(torch.cat([model.lm_head(x).argmax(-1) for x in h.split(8)]).cpu())  # bounded memory
+            hidden.append(h.cpu())
+    embed, lm_head = (
+        m.weight.detach().cpu().clone() for m in (model.get_input_embeddings(), model.get_output_embeddings())
+    )
     return Distillation(
         torch.cat(tokens), torch.cat(labels), torch.cat(hidden), embed, lm_head, model.config, num_train
     )
