@@ -268,3 +268,23 @@ def test_canonical_contamination_with_mtp_is_stable_and_equal_to_speculation_off
     assert any(r.num_cached_tokens > 0 for r in runs)
     for i, run in enumerate(runs):
         assert_same(off, run, f"B run {i} after A, MTP on")
+
+
+def test_the_mtp_heads_cache_is_counted_in_the_pool_budget(families: dict[str, Path]) -> None:
+    # The head's attention layer keeps K/V for every pool slot: a pool sized without it overcommits the
+    # budget (on a GPU at gpu_memory_utilization, the head's allocation ran out of memory).
+    from kvwarden.cache.state_pool import StatePool
+    from kvwarden.engine.model_runner import kv_bytes_per_block
+
+    budget = 8 * 1024 * 1024
+    plain = LLM(str(families["qwen3_next"]), kv_cache_memory=budget).engine
+    mtp = LLM(
+        str(families["qwen3_next"]),
+        kv_cache_memory=budget,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    ).engine
+    model, block = plain.loaded.model, plain.config.cache.block_size
+    per_block = kv_bytes_per_block(model, block) + StatePool.snapshot_bytes(model.recurrent_specs())
+    one_layer = kv_bytes_per_block(model, block) // model.num_attention_layers
+    assert plain.num_blocks == budget // per_block
+    assert mtp.num_blocks == budget // (per_block + one_layer) < plain.num_blocks

@@ -20,8 +20,8 @@ from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.cache.transfer import CopyEngine
 from kvwarden.config import EngineConfig, resolve_device
-from kvwarden.engine.memory import cache_budget
-from kvwarden.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
+from kvwarden.engine.memory import num_cache_blocks
+from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
 from kvwarden.engine.remote_kv import RemoteKV
@@ -81,15 +81,7 @@ class LLMEngine:
                 f"block_size: {cache.block_size} must be a multiple of the recurrent scan chunk "
                 f"({config.numerics.scan_chunk}) so every block boundary is a scan grid point"
             )
-        # A recurrent-state snapshot lives with its block: count it in the per-block budget.
-        per_block = kv_bytes_per_block(model, cache.block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
-        if config.speculative is not None and config.speculative.method == "mtp":
-            # NOTE: the MTP head's attention layer has a KV cache with the pool's slots (spec/mtp.py): count it,
-            # or a GPU pool sized to gpu_memory_utilization leaves no room for it (seen on an H200: OOM).
-            per_block += kv_bytes_per_block(model, cache.block_size) // max(model.num_attention_layers, 1)
-        self.num_blocks = cache.num_blocks or max(
-            2, cache_budget(config, self.device, self.model_config, specs) // per_block
-        )
+        self.num_blocks = cache.num_blocks or num_cache_blocks(config, self.device, self.model_config, model)
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
         self.kv: KVCacheManager | HybridCacheManager = KVCacheManager(
             self.pool, cache.block_size, cache.enable_prefix_caching

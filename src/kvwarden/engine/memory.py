@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvwarden.cache.state_pool import RecurrentLayerSpec, StatePool
 from kvwarden.config import EngineConfig
+from kvwarden.engine.model_runner import kv_bytes_per_block
 from kvwarden.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvwarden.models.decoder import DecoderModel
+
+
+def num_cache_blocks(config: EngineConfig, device: str, cfg: ModelConfig, model: DecoderModel) -> int:
+    """Blocks of the KV pool that :func:`cache_budget` holds, at what one block costs in every cache."""
+    specs = model.recurrent_specs()
+    block_size = config.cache.block_size
+    # A recurrent-state snapshot lives with its block: count it in the per-block budget.
+    per_block = kv_bytes_per_block(model, block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
+    if config.speculative is not None and config.speculative.method == "mtp":
+        # NOTE: the MTP head's attention layer has a KV cache with the pool's slots (spec/mtp.py): count it,
+        # or a GPU pool sized to gpu_memory_utilization leaves no room for it (seen on an H200: OOM).
+        per_block += kv_bytes_per_block(model, block_size) // max(model.num_attention_layers, 1)
+    return max(2, cache_budget(config, device, cfg, specs) // per_block)
 
 
 def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: list[RecurrentLayerSpec]) -> int:
