@@ -85,7 +85,10 @@ def test_the_wait_is_what_keeps_the_answer(llama_tiny: Path, cold: dict[str, lis
     results = {}
     for unsafe in (False, True):
         llm = tiered(llama_tiny, unsafe_host_load=unsafe)
-        llm.engine.host.copies.load_delay_s = 0.05  # every load lands 50 ms late
+        # Every load lands 300 ms late: the unsafe read comes within a millisecond or so of the submission,
+        # and a margin this wide keeps the race certain on a loaded 2-core machine (at 50 ms a busy one let
+        # the load land first once).
+        llm.engine.host.copies.load_delay_s = 0.3
         llm.generate([a, *fillers], PARAMS)
         out = llm.generate([b], PARAMS)[0]
         assert llm.engine.stats()["prefix_cache_hits_host"] >= 96

@@ -20,7 +20,9 @@ from kvwarden.layers.gemm_rows import torch_threads
 from util import assert_same, exact, random_tokens
 
 VOCAB = 1000
-PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 15 drawn cases per property and family (was 25): the suite's time budget on 2 cores; the hybrid, structured,
+# speculative, host-tier and GPU-kernel tests draw their own cases of the same properties.
+PROPERTY = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _params(seeded: bool, seed: int, max_tokens: int = 8) -> SamplingParams:
