@@ -56,7 +56,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 if want tests; then
   stage "kernel and engine tests on the GPU (float32 and bfloat16)"
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py tests/test_hybrid_kernels.py \
-    tests/test_triton_engine.py \
+    tests/test_triton_engine.py tests/test_topk.py \
     2>&1 | tee "$OUT/tests.log" | tail -n 25
   record "GPU tests (kernels + engine properties)" "$(tail -n 1 "$OUT/tests.log")"
 fi
@@ -226,10 +226,10 @@ fi
 
 if [ "$MODE" = full ] && want mtptrain; then  # acceptance that means something: a trained target, a fitted head
   TRAINED="$KVWARDEN_HOME/qwen3_next-small-trained"
-  stage "MTP on a trained target: qwen3_next-small trained ${TRAIN_STEPS:-600} steps on the bundled text, head fitted, k=2 vs off"
+  stage "MTP on a trained target: qwen3_next-small trained ${TRAIN_STEPS:-400} steps on the bundled text, head fitted, k=2 vs off"
   rm -rf "$TRAINED"
   timeout 300 python3 -m kvwarden.cli make-model --arch qwen3_next --preset small --out "$TRAINED" \
-    --train-steps "${TRAIN_STEPS:-600}" --fit-mtp --device cuda 2>&1 | grep -v -e Loading -e Writing | tee "$OUT/mtptrain.log" | tail -n 8
+    --train-steps "${TRAIN_STEPS:-400}" --fit-mtp --device cuda 2>&1 | grep -v -e Loading -e Writing | tee "$OUT/mtptrain.log" | tail -n 8
   SPEED_TIMEOUT=240 speed gpu_mtp --model "$TRAINED" --hybrid none --skip-offline --skip-rows --spec-model "$TRAINED"
   record "MTP k=2 on trained small (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_mtp.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d['spec']])" 2>&1 | tail -n 1)"
 fi

@@ -120,7 +120,7 @@ def sweep_config_dtypes(
         shutil.rmtree(out, ignore_errors=True)
         return [replace(base, dtype=dt) for dt, _ in dtypes]
     base.architecture, base.shape = cfg.architecture, shape_of(cfg)
-    written = time.perf_counter() - start  # shared by the dtypes: each row counts it once
+    written = time.perf_counter() - start  # writing is shared: every dtype's row includes it in its seconds
     rows = []
     try:
         for dt, tol in dtypes:

@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         metavar="N",
         help="then train the weights for N steps on the bundled text (2K tokens a step), so the model's "
-        "continuations are learnable and a fitted drafter accepts like a real model's (a few hundred steps: "
-        "minutes on CPU for the tiny and small presets)",
+        "continuations are learnable and a fitted drafter accepts like a real model's (a few hundred steps; "
+        "a tiny preset takes about 0.5 s a step on 2 CPU cores, qwen3_next-small 400 steps 70 s with --device "
+        "cuda on an H200)",
     )
     p.add_argument(
         "--device",

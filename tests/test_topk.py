@@ -1,0 +1,69 @@
+"""The deterministic top-k (the sparse-attention indexer's selection): set and order are a function of the scores.
+
+Under Triton's interpreter on the CPU (``conftest.py`` sets ``TRITON_INTERPRET=1``), compiled on a GPU. The
+Triton kernel must equal the stable-sort reference element for element, ties and masked (``-inf``) columns
+included, and a row's result must not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwarden.layers.kernels.topk import topk_reference, topk_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]  # compared as float32 inside: bfloat16 scores tie far more often
+
+
+def scores(seed: int, rows: int, n: int, dtype: torch.dtype, levels: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if levels is None:
+        s = torch.randn(rows, n, generator=g)
+    else:  # few distinct values: ties everywhere
+        s = torch.randint(0, levels, (rows, n), generator=g).float() - levels / 2
+    return s.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k", "levels"), [(300, 17, None), (257, 64, 5), (64, 64, 3), (130, 1, 2), (9, 0, None)])
+def test_triton_top_k_equals_the_stable_order(dtype: torch.dtype, n: int, k: int, levels: int | None) -> None:
+    s = scores(n + k, 5, n, dtype, levels)
+    val, idx = topk_triton(s, k)
+    ref_val, ref_idx = topk_reference(s, k)
+    assert torch.equal(idx.cpu(), ref_idx.cpu())
+    assert torch.equal(val.cpu(), ref_val.cpu())
+    if k:
+        chosen = s.float().gather(1, idx)
+        assert torch.equal(chosen, val)  # the values are the chosen columns' scores
+        # rank order: scores never rise; equal scores come in increasing column order
+        pairs = list(zip(val[0].tolist(), idx[0].tolist(), strict=True))
+        assert pairs == sorted(pairs, key=lambda p: (-p[0], p[1]))
+
+
+def test_masked_columns_fill_last_in_column_order() -> None:
+    s = scores(1, 3, 40, torch.float32)
+    s[:, 7:] = float("-inf")  # a query that sees only 7 keys, asked for 10
+    val, idx = topk_triton(s, 10)
+    ref_val, ref_idx = topk_reference(s, 10)
+    assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(val.cpu(), ref_val.cpu())
+    assert sorted(idx[0, :7].tolist()) == list(range(7))
+    assert idx[0, 7:].tolist() == [7, 8, 9]
+    assert torch.isinf(val[:, 7:]).all()
+
+
+def test_a_rows_selection_does_not_depend_on_its_neighbours_or_the_batch() -> None:
+    s = scores(2, 8, 200, torch.float32, levels=7)
+    alone = [topk_triton(s[i : i + 1], 20) for i in range(8)]
+    together = topk_triton(s, 20)
+    for i, (val, idx) in enumerate(alone):
+        assert torch.equal(idx[0], together[1][i]) and torch.equal(val[0], together[0][i])
+    twice = topk_triton(s, 20)
+    assert torch.equal(twice[1], together[1]) and torch.equal(twice[0], together[0])
+
+
+def test_bad_shapes_and_k_name_the_problem() -> None:
+    with pytest.raises(ValueError, match=r"k must be in \[0, 4\]"):
+        topk_triton(torch.zeros(2, 4, device=DEVICE), 5)
+    with pytest.raises(ValueError, match=r"scores must be \[rows, n\]"):
+        topk_reference(torch.zeros(4, device=DEVICE), 1)
