@@ -206,13 +206,13 @@ def spec_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     text = "\n\n".join(d.text for d in documents())
     outs: dict[str, Any] = {}
     prompts_all: list[list[int]] = []
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
     for name, spec in (("off", None), ("on", {"method": "mtp", "num_speculative_tokens": 2})):
         engine = llm(model, args, "canonical", max_num_seqs=64, enable_prefix_caching=False, speculative_config=spec)
         if not prompts_all:
             ids = engine.tokenizer.encode(text)
             stride = max(128, (len(ids) - 128) // 16)
             prompts_all = [ids[i * stride : i * stride + 128] for i in range(16)]
-        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
         engine.generate([[5] * 8], SamplingParams(max_tokens=4))
         for batch in (1, 16):
             sync(args.device)

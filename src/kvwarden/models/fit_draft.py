@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvwarden.models.bundled import corpus_text, documents
+from kvwarden.models.train_preset import bundled_token_ids
 
 Progress = Callable[[str], None] | None
 PROMPT_LEN, NEW_TOKENS = 32, 64
@@ -72,10 +72,7 @@ def distillation_data(
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = model.to(device).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    tok.model_max_length = 1 << 30  # the whole text is tokenized once and cut into windows: no overflow warning
-    text = corpus_text() + "\n\n" + "\n\n".join(d.text for d in documents())
-    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+    ids = bundled_token_ids(model_dir)
     gen = torch.Generator().manual_seed(seed)
     split, num_train = int(len(ids) * 0.85), num_prompts - max(1, num_prompts // 8)
     train = torch.randint(0, split - PROMPT_LEN, (num_train,), generator=gen).tolist()
