@@ -213,7 +213,8 @@ def spec_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             ids = engine.tokenizer.encode(text)
             stride = max(128, (len(ids) - 128) // 16)
             prompts_all = [ids[i * stride : i * stride + 128] for i in range(16)]
-        engine.generate([[5] * 8], SamplingParams(max_tokens=4))
+        for batch in (1, 16):  # warm-up at the measured shapes: prefill kernels compile on first use
+            engine.generate(prompts_all[:batch], SamplingParams(max_tokens=8, ignore_eos=True))
         for batch in (1, 16):
             sync(args.device)
             t0 = time.perf_counter()

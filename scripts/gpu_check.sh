@@ -18,9 +18,10 @@
 #   scripts/gpu_check.sh full sweep                   # the published configurations (bench/configs/), f32 and bf16
 #   scripts/gpu_check.sh full smollm2                 # the real SmolLM2 GGUF (parts carried by scripts/gpu_carry.sh)
 #   scripts/gpu_check.sh full mtptrain                # train qwen3_next-small on the bundled text, fit MTP, k=2 vs off
+#   scripts/gpu_check.sh full families specprofile    # the families' agreement/invariance/truth; a spec step's phases
 #
 # Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd,
-# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain
+# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -34,10 +35,19 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false KVWARDEN_HOME=${KVWARDEN_HOME:-/tmp/kvwarden-home}
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+WHEELS=$(ls .whl/*.whl 2>/dev/null | grep -v '/transformers-' || true)
+if [ -n "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS \
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+# A newer transformers wheel in .whl/ is the reference only where a stage asks for it (with_reference):
+# the image's own version stays everyone else's.
+REFPATH=$PYTHONPATH
+if ls .whl/transformers-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf \
+    .whl/transformers-*.whl && REFPATH="/tmp/site-tf:$PYTHONPATH"
+fi
+with_reference() { PYTHONPATH="$REFPATH" "$@"; }
 # Files too large for one call arrive in parts (scripts/gpu_carry.sh, carry [".gpu"]); /tmp outlives a call
 # while the machine stays warm, so the parts of consecutive calls meet in /tmp/kvw-carry.
 CARRY=/tmp/kvw-carry
@@ -55,8 +65,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 if want tests; then
   stage "kernel and engine tests on the GPU (float32 and bfloat16)"
-  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py tests/test_hybrid_kernels.py \
-    tests/test_triton_engine.py tests/test_topk.py \
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts="" ${TESTS_ARGS:-tests/test_kernels.py tests/test_hybrid_kernels.py \
+    tests/test_triton_engine.py tests/test_topk.py} \
     2>&1 | tee "$OUT/tests.log" | tail -n 25
   record "GPU tests (kernels + engine properties)" "$(tail -n 1 "$OUT/tests.log")"
 fi
@@ -232,6 +242,63 @@ if [ "$MODE" = full ] && want mtptrain; then  # acceptance that means something:
     --train-steps "${TRAIN_STEPS:-400}" --fit-mtp --device cuda 2>&1 | grep -v -e Loading -e Writing | tee "$OUT/mtptrain.log" | tail -n 8
   SPEED_TIMEOUT=240 speed gpu_mtp --model "$TRAINED" --hybrid none --skip-offline --skip-rows --spec-model "$TRAINED"
   record "MTP k=2 on trained small (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_mtp.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d['spec']])" 2>&1 | tail -n 1)"
+fi
+
+if want diag; then  # which side is off when the engines disagree: both on the CPU and on the GPU
+  stage "reference diagnosis: transformers and kvwarden, CPU and GPU, float32 (${DIAG_MODELS:-builtin:granite_hybrid_moe-small})"
+  DM=(); for M in ${DIAG_MODELS:-builtin:granite_hybrid_moe-small builtin:granite_hybrid-small}; do DM+=(--model "$M"); done
+  timeout "${DIAG_TIMEOUT:-180}" python3 bench/diag_reference.py "${DM[@]}" 2>&1 | tee "$OUT/diag.log" | grep -v -e '^{' -e Loading -e falling | tail -n 30
+fi
+
+if want granite; then  # GraniteMoeHybrid with n_groups > 1 needs transformers >= 5.23 as the reference
+  for DT in float32 bfloat16; do
+    stage "Granite presets against the carried transformers ($(with_reference python3 -c 'import transformers; print(transformers.__version__)' 2>&1 | tail -n 1)), $DT"
+    with_reference timeout 200 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical \
+      --model builtin:granite_hybrid_moe-small --model builtin:granite_hybrid-small \
+      2>&1 | tee "$OUT/granite-agreement-$DT.log" | grep '^|'
+    tail -n 1 "$OUT/granite-agreement-$DT.log" > "$OUT/granite-agreement-$DT.json"
+    record "granite agreement $DT (equal, prompts, median)" "$(python3 -c "import json; d=json.load(open('$OUT/granite-agreement-$DT.json'))['models']; print({m.split(':')[-1].split(' ')[0]: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for m, s in d.items()})" 2>&1 | tail -n 1)"
+  done
+fi
+
+if want specprofile; then  # where a speculative step's time goes, phase by phase (#27 item 1)
+  stage "speculative step phases: MTP k=2 vs off, ${SPECPROF_MODEL:-builtin:qwen3_next-small}, bfloat16"
+  timeout "${SPECPROF_TIMEOUT:-200}" python3 bench/spec_profile.py --device cuda --dtype bfloat16 \
+    --model "${SPECPROF_MODEL:-builtin:qwen3_next-small}" ${SPECPROF_ARGS:-} 2>&1 | tee "$OUT/spec_profile.log" | grep -v '^{' | tail -n 45
+  tail -n 1 "$OUT/spec_profile.log" > "$OUT/spec_profile.json"
+  record "spec profile: ms/step (off b1, on b1, on b16)" "$(python3 -c "import json; d=json.load(open('$OUT/spec_profile.json'))['rows']; print({k: round(1e3 * r['wall_s'] / r['steps'], 2) for k, r in d.items()})" 2>&1 | tail -n 1)"
+fi
+
+if want families; then  # the families users bring (#28): agreement both dtypes, invariance, bf16 error vs truth
+  FAM=(--model builtin:qwen2-small --model builtin:mistral-small --model builtin:llama3-small \
+    --model builtin:qwen3_moe-small --model builtin:qwen3_5-small --model builtin:granite_hybrid_moe-small)
+  FAMPARTS=" ${FAMILY_PARTS:-agreement invariance truth} "
+  for DT in float32 bfloat16; do
+    [[ "$FAMPARTS" == *" agreement "* ]] || break
+    stage "families: agreement with transformers, $DT (${FAM[*]})"
+    timeout 200 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical "${FAM[@]}" \
+      2>&1 | tee "$OUT/families-agreement-$DT.log" | grep '^|'
+    tail -n 1 "$OUT/families-agreement-$DT.log" > "$OUT/families-agreement-$DT.json"
+    record "families agreement $DT (equal, prompts, median)" "$(python3 -c "import json; d=json.load(open('$OUT/families-agreement-$DT.json'))['models']; print({m.split(':')[-1].split(' ')[0]: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for m, s in d.items()})" 2>&1 | tail -n 1)"
+  done
+  if [[ "$FAMPARTS" == *" invariance "* ]]; then
+  stage "families: invariance (a)-(j), canonical, bfloat16, greedy and seeded"
+  timeout 240 python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 \
+    --model builtin:qwen3_5-small --model builtin:granite_hybrid_moe-small 2>&1 | tee "$OUT/families-invariance.log" | grep -v '^{' | tail -n 12
+  tail -n 1 "$OUT/families-invariance.log" > "$OUT/families-invariance.json"
+  record "families invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/families-invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
+  fi
+  [[ "$FAMPARTS" == *" truth "* ]] || TRUTH_CONFIGS=" "
+  for CFG in ${TRUTH_CONFIGS:-granite-4.0-h-tiny}; do
+    stage "bfloat16 error against float32 truth: $CFG cut to 2 layers (kvwarden vs transformers)"
+    rm -rf "/tmp/truth-$CFG"
+    python3 -m kvwarden.cli make-model --config "bench/configs/$CFG.json" --num-layers 2 --dtype bfloat16 \
+      --out "/tmp/truth-$CFG" >/dev/null 2>&1
+    timeout 240 python3 bench/agreement.py --device cuda --dtype bfloat16 --truth --prompts 16 --model "/tmp/truth-$CFG" \
+      2>&1 | tee "$OUT/truth-$CFG.log" | grep '^|'
+    tail -n 1 "$OUT/truth-$CFG.log" > "$OUT/truth-$CFG.json"
+    record "truth $CFG: median|max (kvwarden, hf)" "$(python3 -c "import json; d=json.load(open('$OUT/truth-$CFG.json'))['models']; print([s.get('truth') for s in d.values()])" 2>&1 | tail -n 1)"
+  done
 fi
 
 if want hosttier; then

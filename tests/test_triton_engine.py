@@ -66,7 +66,8 @@ def test_hybrid_models_every_property(hybrid_tiny: Path, dtype: str) -> None:
     assert "cached 16 tokens" in report.outcomes["b"].note  # a hybrid hit: KV blocks and the state at 16
 
 
-@pytest.mark.parametrize("method", ["draft", "mtp"])
+# On the CPU the draft proposer runs in test_verify_graphs_equal_speculation_off only (the interpreter is slow).
+@pytest.mark.parametrize("method", ["draft", "mtp"] if GPU else ["mtp"])
 def test_speculation_on_the_triton_backend_equals_speculation_off(qwen3_next_tiny: Path, method: str) -> None:
     """(j) on the token-by-token recurrent kernels: verify steps, rollbacks and the MTP head's own KV."""
     prompt, partners = _case(3)
@@ -133,6 +134,45 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
         assert warm.num_cached_tokens == 16  # blocks [0, 8) and [8, 16): the second completed by decode
         cold = _make(model, DTYPES[-1])(enable_prefix_caching=False).generate([follow], params)[0]
         assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
+
+
+def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root: Path) -> None:
+    """(j) through verify graphs: steps whose requests all carry k drafts replay a (k + 1)-row graph (on the
+    CPU the same static-buffer step, uncaptured); the hybrid keeps every token's recurrent state there and
+    returns to the last accepted one on the device. MTP's random head rejects (the return), the target as
+    its own draft model is accepted by the greedy requests (the kept end state); block boundaries reached inside verify
+    graphs are staged for the prefix cache, and a follow-up hits them."""
+    rng = random.Random(6)
+    prompts = [random_tokens(rng, n, 1000) for n in (11, 17, 10)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=6, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True),
+    ]
+    families = ["qwen3_next", "granite_hybrid"] if GPU else ["qwen3_next"]  # the interpreter is slow
+    graphs = "auto" if GPU else "emulate"
+    for family in families:
+        model = qwen3_next_tiny if family == "qwen3_next" else _made(models_root, family, "tiny")
+        make = partial(_make(model, DTYPES[-1]), block_size=16, max_num_seqs=4)
+        reference = [(o.token_ids, o.logprobs) for o in make().generate(prompts, params)]
+        methods = {"draft": {"model": str(model)}}
+        if family == "qwen3_next":
+            methods["mtp"] = {}
+        for method, extra in methods.items():
+            llm = make(cuda_graphs=graphs, speculative_config={"method": method, "num_speculative_tokens": 2, **extra})
+            got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+            assert got == reference, (family, method)
+            engine, stats = llm.engine, llm.engine.stats()
+            assert engine.runner.graphs is not None and engine.runner.graphs.verify_replays > 0
+            accepted, drafted = stats["spec_num_accepted_tokens"], stats["spec_num_draft_tokens"]
+            # the greedy requests accept their own model's drafts (the kept end state); MTP's head rejects
+            assert (accepted > 0) if method == "draft" else (accepted < drafted), (method, accepted, drafted)
+            engine.check_integrity()
+            follow = prompts[2] + got[2][0] + [7, 8]  # 10 + 8 + 2 tokens: block [0, 16) completed while verifying
+            warm = llm.generate([follow], params[0])[0]
+            assert warm.num_cached_tokens == 16
+            cold = make(enable_prefix_caching=False).generate([follow], params[0])[0]
+            assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(qwen3_next_tiny: Path) -> None:

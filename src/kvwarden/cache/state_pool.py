@@ -73,6 +73,8 @@ class StatePool:
         self._staged: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         # request -> (copies of every working tensor for a batch of slots, its row in them)
         self._checkpoints: dict[str, tuple[list[torch.Tensor], int]] = {}
+        # A verify step's states after its tokens (batched kernels): request -> {position: [(conv, ssm)] per layer}.
+        self._tokens: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         # Snapshot slots another instance writes (disaggregated decode): request -> {block index: slot}.
         self._reserved: dict[str, dict[int, int]] = {}
 
@@ -106,6 +108,7 @@ class StatePool:
         self._free_snapshots.extend(self._reserved.pop(request_id, {}).values())
         self._staged.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
+        self._tokens.pop(request_id, None)
 
     # ---------------------------------------------------------- speculation
     def checkpoint(self, request_id: str) -> None:
@@ -141,6 +144,30 @@ class StatePool:
 
     def drop_checkpoint(self, request_id: str) -> None:
         self._checkpoints.pop(request_id, None)
+
+    def keep_token(self, request_id: str, pos: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Remember a verify step's state after token ``pos - 1`` (the kernels' fresh copies, kept as they are)."""
+        layers = self._tokens.setdefault(request_id, {}).setdefault(pos, [])
+        assert len(layers) == layer, "token states are kept layer by layer"
+        layers.append((conv, ssm))
+
+    def return_to(self, request_id: str, pos: int) -> None:
+        """After a rejected draft: the working state becomes the kept state after token ``pos - 1``, and
+        boundary states staged past ``pos`` (computed through rejected drafts) are forgotten.
+
+        NOTE(invariance): the kept state is the one the token-by-token kernel computed after that token
+        in the verify step - what plain decoding computes there - so no token is recomputed."""
+        layers = self._tokens.pop(request_id)[pos]
+        slot = self.working[request_id]
+        for layer, (conv, ssm) in enumerate(layers):
+            self.conv[layer][slot].copy_(conv)
+            self.ssm[layer][slot].copy_(ssm)
+        staged = self._staged.get(request_id, {})
+        for p in [p for p in staged if p > pos]:
+            del staged[p]
+
+    def drop_tokens(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
 
     def _working_tensors(self) -> list[torch.Tensor]:
         return [*self.conv, *self.ssm, *self.pending]

@@ -107,6 +107,7 @@ class LLMEngine:
             self.states,
             cache.unsafe_host_load,
             graphs=(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs),
+            spec_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.host: HostTier | None = None
         if cache.host_cache_bytes:
@@ -223,7 +224,7 @@ class LLMEngine:
         if not sched:
             return outputs
         if self.speculator is not None:
-            self.speculator.before_step(sched)
+            self.speculator.before_step(sched, self.runner.will_replay(sched))
         if self.host is not None:
             self.host.flush()  # write-backs of reused blocks, queued before the forward overwrites them
         try:
@@ -262,7 +263,7 @@ class LLMEngine:
             # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
             masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
         except GrammarFailure as exc:
-            return self._fail_grammar(chunk, exc)
+            return self._fail_grammar(chunk, exc, step)
         args = (req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre, masks)
         samples, accepted = verify(rows, drafts, *args)
         if len(req.output_token_ids) == 0:
@@ -273,7 +274,7 @@ class LLMEngine:
                 try:
                     req.grammar.accept(sample.token_id)
                 except GrammarFailure as exc:
-                    return self._fail_grammar(chunk, exc)
+                    return self._fail_grammar(chunk, exc, step)
             req.append_token(sample.token_id)
             req.sampled_logprobs.append(sample.logprob)
             if req.params.logprobs is not None:
@@ -283,7 +284,8 @@ class LLMEngine:
             if reason is not None:
                 break
         if chunk.num_spec and self.speculator is not None:
-            self.speculator.commit(chunk, accepted, kept=min(accepted, req.num_tokens - 1 - chunk.end))
+            kept = min(accepted, req.num_tokens - 1 - chunk.end)
+            self.speculator.commit(chunk, accepted, kept, step.verified)
         req.spec_token_ids = []
         if reason is not None:
             return self._finish(req, reason)
@@ -291,11 +293,11 @@ class LLMEngine:
             return None
         return RequestOutput.of(req, self._prompts.get(req.request_id))
 
-    def _fail_grammar(self, chunk: ScheduledChunk, exc: GrammarFailure) -> RequestOutput:
+    def _fail_grammar(self, chunk: ScheduledChunk, exc: GrammarFailure, step: StepLogits) -> RequestOutput:
         """End a request whose grammar cannot go on (its error says why); the rest of the batch is untouched."""
         req = chunk.request
         if chunk.num_spec and self.speculator is not None:
-            self.speculator.commit(chunk, 0, kept=0)  # nothing of the step's drafts is kept
+            self.speculator.commit(chunk, 0, 0, step.verified)  # nothing of the step's drafts is kept
         req.spec_token_ids = []
         req.error = str(exc)
         return self._finish(req, "abort")

@@ -23,6 +23,7 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
 from kvwarden.engine.cuda_graphs import DecodeGraphs, graph_capable
 from kvwarden.engine.scheduler import SchedulerOutput
+from kvwarden.engine.verified_states import VerifiedStates
 from kvwarden.layers.attention import SeqAttn
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.common import TraceSink
@@ -50,6 +51,9 @@ class StepLogits:
             requests that want scores of their prompt positions.
         hidden: ``[batch rows, hidden]`` final hidden states of every row (the
             MTP head's input), and ``hidden_rows``: request id -> its first row.
+        verified: a hybrid's verify step replayed from a graph: every token's recurrent state,
+            from which the speculator keeps the last accepted one (else None: the eager
+            checkpoint and rollback).
     """
 
     logits: torch.Tensor
@@ -57,6 +61,7 @@ class StepLogits:
     prompt_rows: dict[str, tuple[int, list[int]]]
     hidden: torch.Tensor | None = None
     hidden_rows: dict[str, int] | None = None
+    verified: VerifiedStates | None = None
 
 
 @dataclass(frozen=True)
@@ -86,9 +91,10 @@ class ModelRunner:
         states: StatePool | None = None,
         unsafe_host_load: bool = False,
         graphs: tuple[str, int, int] = ("off", 0, 0),
+        spec_tokens: int = 0,
     ) -> None:
         """``graphs``: ``(mode, max_model_len, max_num_seqs)`` of the decode CUDA graphs (``mode`` as
-        ``EngineConfig.cuda_graphs``)."""
+        ``EngineConfig.cuda_graphs``); ``spec_tokens``: drafts per verify step (verify graphs too)."""
         self.model = model
         self.states = states
         self.tracer: TraceSink | None = None  # set by tools that trace activations
@@ -104,9 +110,9 @@ class ModelRunner:
         self.kv_caches = PagedKV(
             [self.ops.new_kv_cache(slots, heads, dim, model.dtype) for _ in range(layers)], unsafe_host_load
         )
-        self.graphs = self._make_graphs(*graphs)
+        self.graphs = self._make_graphs(*graphs, spec_tokens)
 
-    def _make_graphs(self, mode: str, max_model_len: int, max_num_seqs: int) -> DecodeGraphs | None:
+    def _make_graphs(self, mode: str, max_model_len: int, max_num_seqs: int, spec_tokens: int) -> DecodeGraphs | None:
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
         why = graph_capable(self.model)
@@ -125,14 +131,21 @@ class ModelRunner:
             max_num_seqs,
             mode == "auto",
             self.states,
+            spec_tokens,
         )
+
+    def will_replay(self, out: SchedulerOutput) -> bool:
+        """Whether :meth:`execute` runs this step from the graphs' static buffers."""
+        return self.graphs is not None and self.tracer is None and self.graphs.fits(out.chunks)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
-        if self.graphs is not None and self.tracer is None and self.graphs.fits(out.chunks):
-            hidden, logits = self.graphs.run(out.chunks, kv)
-            rows = {c.request.request_id: i for i, c in enumerate(out.chunks)}
-            return StepLogits(logits, {r: [i] for r, i in rows.items()}, {}, hidden, rows)
+        if self.graphs is not None and self.will_replay(out):
+            got = self.graphs.run(out.chunks, kv)
+            q = got.q
+            first = {c.request.request_id: i * q for i, c in enumerate(out.chunks)}
+            sample = {r: list(range(i, i + q)) for r, i in first.items()}
+            return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified)
         entries: list[BatchEntry] = []
         sample_rows: dict[str, list[int]] = {}
         hidden_rows: dict[str, int] = {}
@@ -155,7 +168,13 @@ class ModelRunner:
                 sample_rows[req.request_id] = list(range(first, first + 1 + chunk.num_spec))
                 want_rows.extend(range(row0 + chunk.num_tokens - 1, row0 + len(ids)))
             row0 += len(ids)
-        batch = self.make_batch(entries)
+        # A verify chunk keeps its state after the last real token and each draft but the last (batched kernels).
+        tokens = {
+            c.request.request_id: range(c.num_tokens - 1, c.num_tokens - 1 + c.num_spec)
+            for c in out.chunks
+            if c.num_spec
+        }
+        batch = self.make_batch(entries, tokens=tokens)
         hidden = self.model.forward(batch, self.kv_caches)
         if want_rows:
             logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(self.device)])
@@ -163,10 +182,14 @@ class ModelRunner:
             logits = torch.empty((0, 0), device=self.device)
         return StepLogits(logits, sample_rows, prompt_rows, hidden, hidden_rows)
 
-    def make_batch(self, entries: list[BatchEntry], with_states: bool = True) -> ForwardBatch:
+    def make_batch(
+        self, entries: list[BatchEntry], with_states: bool = True, tokens: dict[str, range] | None = None
+    ) -> ForwardBatch:
         """The step's tensors for rows of several requests (host-built, copied to the device once).
 
-        ``with_states=False``: a forward without recurrent layers (the MTP head's)."""
+        ``with_states=False``: a forward without recurrent layers (the MTP head's). ``tokens``: per verify
+        chunk, the rows after which the batched kernels keep its recurrent state (the return after a
+        rejected draft)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[torch.Tensor] = []
@@ -190,7 +213,7 @@ class ModelRunner:
             rec = [(s.request_id, s.row_start, s.num_tokens, s.start, slots[s.request_id]) for s in slices]
             # NOTE(invariance): kvwarden captures the state at every boundary its rows cross; the fast path
             # keeps vLLM's align rule (only where a chunk ends on a boundary), the hazard it demonstrates.
-            recurrent = RecurrentMeta.build(rec, self.block_size, self.ops.scan_mode != "vendor", dev)
+            recurrent = RecurrentMeta.build(rec, self.block_size, self.ops.scan_mode != "vendor", dev, tokens)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),

@@ -19,12 +19,15 @@ import torch
 
 @dataclass(frozen=True)
 class StateCapture:
-    """A recurrent state to stage after the step: request ``seq``'s state at position ``pos``."""
+    """A recurrent state the kernels copy out after a token: for the prefix cache (a block boundary), and/or
+    as a verify step's candidate state to return to (:meth:`kvwarden.cache.state_pool.StatePool.keep_token`)."""
 
     seq: int  # index of the request in the step
     request_id: str
-    pos: int  # absolute position (a block boundary); the state after token ``pos - 1``
+    pos: int  # absolute position; the state after token ``pos - 1``
     index: int  # token index inside the request's rows of this step after which it is taken
+    boundary: bool = True  # a block boundary: staged for the prefix cache
+    token: bool = False  # a verify step's token (its last real one or a draft): kept for the return
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class RecurrentMeta:
         captures: the same captures on the host, in ``cap_at`` order.
         host_seqs: per request ``(request id, first row, rows, absolute start, slot)`` on the host
             (empty in a decode graph).
+        per_token: ``q`` in a verify graph, where every request has ``q`` rows and the kernels keep
+            the state after each of its first ``q - 1`` tokens (``cap_at`` then lists them), so the
+            step's caller can return a request to the last accepted token on the device; else 0.
     """
 
     seq_row0: torch.Tensor
@@ -54,14 +60,25 @@ class RecurrentMeta:
     cap_at: torch.Tensor
     captures: tuple[StateCapture, ...]
     host_seqs: tuple[tuple[str, int, int, int, int], ...]
+    per_token: int = 0
 
     @property
     def num_seqs(self) -> int:
         return self.seq_row0.shape[0]
 
+    @property
+    def num_capture_rows(self) -> int:
+        """Rows of the kernels' capture tensor: every request's ``q - 1`` token states in a verify graph,
+        else the boundary captures."""
+        return self.num_seqs * (self.per_token - 1) if self.per_token else len(self.captures)
+
     @staticmethod
     def build(
-        seqs: list[tuple[str, int, int, int, int]], block_size: int, every_boundary: bool, device: torch.device
+        seqs: list[tuple[str, int, int, int, int]],
+        block_size: int,
+        every_boundary: bool,
+        device: torch.device,
+        tokens: dict[str, range] | None = None,
     ) -> RecurrentMeta:
         """Index tensors for one step, copied to the device in one transfer.
 
@@ -69,6 +86,8 @@ class RecurrentMeta:
             seqs: per request ``(request id, first row, rows, absolute start, state slot)``, in row order.
             every_boundary: capture the state at every block boundary the rows cross (kvwarden's rule);
                 False keeps only a boundary the chunk ends on (vLLM's align mode, the fast path's rule).
+            tokens: per request carrying drafts, the row indices after which its state is kept for
+                the return to the last accepted token (its last real token and every draft but the last).
         """
         row0, lens, slots, row_seq, first, count, at = [], [], [], [], [], [], []
         captures: list[StateCapture] = []
@@ -80,10 +99,12 @@ class RecurrentMeta:
             ends = range((start // block_size + 1) * block_size, start + n + 1, block_size)
             if not every_boundary:
                 ends = [e for e in ends if e == start + n]
+            bounds = {end - start - 1 for end in ends}
+            kept = set(tokens.get(rid, ())) if tokens else set()
             first.append(len(at))
-            for end in ends:
-                captures.append(StateCapture(s, rid, end, end - start - 1))
-                at.append(end - start - 1)
+            for index in sorted(bounds | kept):  # one capture per token: the kernel checks cap_at once per token
+                captures.append(StateCapture(s, rid, start + index + 1, index, index in bounds, index in kept))
+                at.append(index)
             count.append(len(at) - first[-1])
         nseq = len(seqs)
         flat = torch.tensor(row0 + lens + slots + row_seq + first + count + (at or [-1]), dtype=torch.int32)

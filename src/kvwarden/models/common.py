@@ -51,6 +51,8 @@ class ForwardBatch:
         scan_chunk: the canonical scan's chunk size (divides ``block_size``).
         tracer: when set, hooked activations of the step are recorded into it.
         recurrent: the batched recurrent kernels' addressing (GPU backends), else None (per-request walk).
+        token_states: in a verify graph, each recurrent layer appends ``(conv inputs, scan states)`` of
+            every token (:func:`kvwarden.models.recurrent_batched.keep_token_states`); else None.
     """
 
     input_ids: torch.Tensor
@@ -63,6 +65,7 @@ class ForwardBatch:
     scan_chunk: int = 16
     tracer: TraceSink | None = None
     recurrent: RecurrentMeta | None = None
+    token_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def trace(self, name: str, rows: torch.Tensor) -> None:
         if self.tracer is not None:

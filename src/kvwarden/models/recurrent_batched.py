@@ -47,9 +47,35 @@ def boundary_windows(
 def stage_captures(
     states: StatePool, meta: RecurrentMeta, layer: int, windows: list[torch.Tensor], ssm: torch.Tensor
 ) -> None:
-    """Hand the step's boundary states of one layer to the state pool (published after the step)."""
+    """Hand the step's captured states of one layer to the state pool: boundary states (published after
+    the step) and a verify step's token states; a verify graph's go to :func:`keep_token_states` instead."""
+    if meta.per_token:
+        return
     for cap, window, state in zip(meta.captures, windows, ssm, strict=True):
-        states.stage(cap.request_id, cap.pos, layer, window, state, owned=True)  # fresh tensors: no copies
+        if cap.boundary:
+            states.stage(cap.request_id, cap.pos, layer, window, state, owned=True)  # fresh tensors: no copies
+        if cap.token:
+            states.keep_token(cap.request_id, cap.pos, layer, window, state)
+
+
+def window_rows(x: torch.Tensor, cols: torch.Tensor, windows: torch.Tensor, meta: RecurrentMeta) -> torch.Tensor:
+    """A verify graph's conv inputs per request: ``[seqs, K - 1 + q, C]`` float32, the window before the
+    step then the step's ``q`` raw inputs; the window after token ``t`` is rows ``t + 1 .. t + K - 1``.
+    Taken before the conv advances the windows (static shapes: nothing leaves the device)."""
+    q = meta.per_token
+    before = windows.index_select(0, meta.seq_slot.long())
+    rows = x.index_select(1, cols).float().view(meta.num_seqs, q, -1)
+    return torch.cat([before, rows], dim=1)
+
+
+def keep_token_states(
+    batch: ForwardBatch, meta: RecurrentMeta, windows: torch.Tensor | None, caps: torch.Tensor
+) -> None:
+    """In a verify graph, hand the layer's per-token conv inputs and scan states to the step's caller
+    (``batch.token_states``, one entry per recurrent layer in order)."""
+    if meta.per_token and batch.token_states is not None:
+        assert windows is not None
+        batch.token_states.append((windows, caps))
 
 
 def trace_states_in(batch: ForwardBatch, meta: RecurrentMeta, name: str, layer: int) -> None:

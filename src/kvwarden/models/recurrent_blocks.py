@@ -23,7 +23,14 @@ from kvwarden.layers.conv1d import causal_conv1d, shape_dependent_conv1d
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
 from kvwarden.models.config import GatedDeltaNetConfig, ModelConfig
-from kvwarden.models.recurrent_batched import boundary_windows, conv_columns, stage_captures, trace_states_in
+from kvwarden.models.recurrent_batched import (
+    boundary_windows,
+    conv_columns,
+    keep_token_states,
+    stage_captures,
+    trace_states_in,
+    window_rows,
+)
 
 
 class _RecurrentBlock:
@@ -156,9 +163,11 @@ class GatedDeltaNetBlock(_RecurrentBlock):
             batch.trace(f"{self.name}.in_proj", qkvz.index_select(1, self.conv_cols))
         trace_states_in(batch, meta, self.name, layer)
         windows = boundary_windows(qkvz, self.conv_cols, states.conv[layer], meta) if meta.captures else []
+        inputs = window_rows(qkvz, self.conv_cols, states.conv[layer], meta) if meta.per_token else None
         mixed = ops.causal_conv(qkvz, self.conv_cols, states.conv[layer], self.conv_w, self.conv_b, meta)
         core, caps = ops.gated_delta_step(mixed, ba, self.neg_a, self.dt_bias, states.ssm[layer], meta, g.num_key_heads)
         stage_captures(states, meta, layer, windows, caps)
+        keep_token_states(batch, meta, inputs, caps)
         batch.trace(f"{self.name}.scan", core.view(rows, -1))
         rep = g.num_value_heads // g.num_key_heads
         gated = ops.rms_norm_gated(
@@ -261,11 +270,13 @@ class Mamba2Block(_RecurrentBlock):
             batch.trace(f"{self.name}.in_proj", proj.index_select(1, self.conv_cols))
         trace_states_in(batch, meta, self.name, layer)
         windows = boundary_windows(proj, self.conv_cols, states.conv[layer], meta) if meta.captures else []
+        inputs = window_rows(proj, self.conv_cols, states.conv[layer], meta) if meta.per_token else None
         mixed = ops.causal_conv(proj, self.conv_cols, states.conv[layer], self.conv_w, self.conv_b, meta)
         y, caps = ops.mamba2_step(
             mixed, dt, self.dt_bias, self.a, self.d, states.ssm[layer], meta, m.n_groups, m.time_step_limit
         )
         stage_captures(states, meta, layer, windows, caps)
+        keep_token_states(batch, meta, inputs, caps)
         y = y.view(proj.shape[0], m.inner)
         batch.trace(f"{self.name}.scan", y)
         return y

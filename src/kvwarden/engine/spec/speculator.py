@@ -16,6 +16,7 @@ from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvwarden.engine.spec.proposers import make_proposer
 from kvwarden.engine.spec.target import EngineFactory, SpecTarget
 from kvwarden.engine.spec_stats import SpecStats
+from kvwarden.engine.verified_states import VerifiedStates
 
 
 class Speculator:
@@ -27,29 +28,45 @@ class Speculator:
         self.scheduler: Scheduler = engine.scheduler
         self.states: StatePool | None = engine.states
         self.max_model_len = engine.max_model_len
+        # The batched (GPU) kernels keep a verify step's state after every token: no checkpoint, no recompute.
+        self.token_states = engine.ops.batched_recurrent
         self.proposer = make_proposer(spec, engine, make_engine)
         self.totals = SpecStats()  # every request's, for /metrics
 
-    def before_step(self, sched: SchedulerOutput) -> None:
-        """Checkpoint the recurrent working state of every request whose chunk carries drafts."""
-        if self.states is None:
+    def before_step(self, sched: SchedulerOutput, replayed: bool = False) -> None:
+        """Checkpoint the recurrent working state of every request whose chunk carries drafts (not
+        needed when the step replays a verify graph: it keeps every token's state)."""
+        if self.states is None or replayed or self.token_states:
             return
         self.states.checkpoint_many([c.request.request_id for c in sched.chunks if c.num_spec])
 
-    def commit(self, chunk: ScheduledChunk, accepted: int, kept: int) -> None:
+    def commit(self, chunk: ScheduledChunk, accepted: int, kept: int, verified: VerifiedStates | None = None) -> None:
         """Record ``accepted`` drafts and advance past the ``kept`` ones (fewer when a stop cut the step).
 
         NOTE(invariance): the KV of accepted positions was computed from the
         tokens that stay, so it is kept; KV written for rejected positions lies
         past ``num_computed_tokens``, is never published and is overwritten. A
         recurrent state has advanced through every draft token, so after a
-        rejection it returns to the step's start and the next step recomputes
-        the accepted tokens (same bits, by the numerics contract).
+        rejection it returns to the state after the last kept token: in a
+        verify graph (``verified``) and on the batched kernels that state was
+        kept by the step; on the CPU's per-request scan it returns to the
+        step's checkpoint and the next step recomputes the accepted tokens
+        (same bits, by the numerics contract).
         """
         req = chunk.request
         assert req.spec_stats is not None
         req.spec_stats.record(chunk.num_spec, accepted)
         self.totals.record(chunk.num_spec, accepted)
+        if verified is not None:
+            verified.keep(req, chunk.start, kept)  # boundary states staged before advance() publishes them
+            self.scheduler.advance(req, chunk.end + kept)
+            return
+        if self.states is not None and self.token_states:
+            if kept < chunk.num_spec:
+                self.states.return_to(req.request_id, chunk.end + kept)
+            self.states.drop_tokens(req.request_id)
+            self.scheduler.advance(req, chunk.end + kept)
+            return
         if self.states is not None and kept < chunk.num_spec:
             self.states.rollback(req.request_id, chunk.start)
             self.scheduler.advance(req, chunk.start)
@@ -59,7 +76,11 @@ class Speculator:
         self.scheduler.advance(req, chunk.end + kept)
 
     def propose(self, sched: SchedulerOutput, step: StepLogits, ready: list[Request]) -> None:
-        """Ask the proposer for the next step's drafts (never more than a request may still emit)."""
+        """Ask the proposer for the next step's drafts (never more than a request may still emit).
+
+        First, a verify graph's requests that rejected a draft return to their last kept token."""
+        if step.verified is not None:
+            step.verified.flush()
         pairs = []
         for req in ready:
             room = min(

@@ -143,12 +143,12 @@ def gated_delta(
         cols, warps: the launch shape (benchmarks compare others; the engine always runs the defaults).
 
     Returns:
-        ``(out [rows, Hv, dv]`` in ``x``'s dtype, ``captured [len(meta.captures), Hv, dk, dv])``.
+        ``(out [rows, Hv, dv]`` in ``x``'s dtype, ``captured [meta.num_capture_rows, Hv, dk, dv])``.
     """
     _, hv, dk, dv = state.shape
     rows = x.shape[0]
     out = torch.empty((rows, hv, dv), dtype=x.dtype, device=x.device)
-    caps = torch.empty((max(len(meta.captures), 1), hv, dk, dv), dtype=torch.float32, device=x.device)
+    caps = torch.empty((max(meta.num_capture_rows, 1), hv, dk, dv), dtype=torch.float32, device=x.device)
     if meta.num_seqs:
         cols = min(cols, max(8, triton.next_power_of_2(dv)))
         grid = (meta.num_seqs, hv, triton.cdiv(dv, cols))
@@ -157,7 +157,7 @@ def gated_delta(
             meta.seq_row0, meta.seq_len, meta.seq_slot, meta.cap_first, meta.cap_count, meta.cap_at, dk**-0.5,
             HK=num_key_heads, HV=hv, DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=cols, num_warps=warps,
         )  # fmt: skip
-    return out, caps[: len(meta.captures)]
+    return out, caps[: meta.num_capture_rows]
 
 
 @triton.jit
@@ -238,12 +238,12 @@ def mamba2(
         state: ``[slots, H, P, N]`` float32.
 
     Returns:
-        ``(y [rows, H, P]`` float32, ``captured [len(meta.captures), H, P, N])``.
+        ``(y [rows, H, P]`` float32, ``captured [meta.num_capture_rows, H, P, N])``.
     """
     _, h, p, nstate = state.shape
     rows = x.shape[0]
     y = torch.empty((rows, h, p), dtype=torch.float32, device=x.device)
-    caps = torch.empty((max(len(meta.captures), 1), h, p, nstate), dtype=torch.float32, device=x.device)
+    caps = torch.empty((max(meta.num_capture_rows, 1), h, p, nstate), dtype=torch.float32, device=x.device)
     lo, hi = dt_limit
     if meta.num_seqs:
         grid = (meta.num_seqs, h, triton.cdiv(p, BLOCK_COLS))
@@ -254,4 +254,4 @@ def mamba2(
             H=h, G=num_groups, P=p, N=nstate, BP=BLOCK_COLS, BN_=max(16, triton.next_power_of_2(nstate)),
             CLAMP=lo > 0.0 or hi != float("inf"),
         )  # fmt: skip
-    return y, caps[: len(meta.captures)]
+    return y, caps[: meta.num_capture_rows]

@@ -1,0 +1,217 @@
+"""The static buffers a captured step reads, and how a step's requests are written into them.
+
+A graph of batch ``size`` and width ``q`` computes ``q`` rows per request: ``q = 1`` is a plain decode
+step, ``q = k + 1`` a verify step (the request's last token, then its ``k`` drafts). Every tensor a
+graph reads is a slice of a buffer allocated once here, so a replay only needs the buffers refilled:
+one host-built copy per buffer per step, no per-request Python inside the step.
+
+NOTE(invariance): the rows see exactly what an eager step of the same requests would give them:
+query tiles stay aligned to absolute positions (a request's ``q`` rows span at most two tiles; an
+unused second tile points at an empty request, index ``size``, whose zero queries see zero keys), a
+padding request has no queries and runs its recurrence over zero tokens in the state pool's scratch
+slot, and padding rows write their K/V into a slot no block owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvwarden.intmath import cdiv
+from kvwarden.layers.attention import AttentionPlan
+from kvwarden.layers.recurrent_plan import RecurrentMeta
+from kvwarden.models.decoder import ForwardBatch
+
+if TYPE_CHECKING:
+    from kvwarden.cache.state_pool import StatePool
+    from kvwarden.engine.scheduler import ScheduledChunk
+
+
+class BlockTables(Protocol):
+    def block_ids(self, request_id: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """Index tensors that depend only on ``(size, q)`` (built once per captured shape)."""
+
+    seq_row0: torch.Tensor  # [size + 1]: request i's rows start at i * q
+    row_seq: torch.Tensor  # [size * q]
+    cap_first: torch.Tensor  # [size]: request i's per-token states start at i * (q - 1)
+    cap_count: torch.Tensor  # [size]
+    cap_at: torch.Tensor  # [max(size * (q - 1), 1)]: tokens 0 .. q - 2 of each request
+
+
+class GraphBatch:
+    """Buffers for batches of up to ``max_size`` requests of up to ``max_q`` rows each.
+
+    Args:
+        device, block_size, max_model_len: bound the block tables.
+        pad_slot: a KV slot no block owns (padding rows write there).
+        block_q: the attention kernel's query tile (positions per tile).
+        states: the recurrent working states (hybrid models), else None.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        max_size: int,
+        max_q: int,
+        block_size: int,
+        max_model_len: int,
+        pad_slot: int,
+        block_q: int,
+        states: StatePool | None,
+    ) -> None:
+        if max_q > block_q:
+            raise ValueError(f"num_speculative_tokens: at most {block_q - 1} drafts fit one verify graph")
+        n, rows = max_size, max_size * max_q
+        self.device, self.block_size, self.pad_slot, self.block_q, self.states = (
+            device, block_size, pad_slot, block_q, states,
+        )  # fmt: skip
+        self.longs = torch.zeros((3, rows), dtype=torch.long, device=device)  # token ids, positions, slots
+        # per request (one more: the empty request unused tiles point at): start, queries (0: padding),
+        # first tile's position (q = 1 graphs), state slot
+        self.ints = torch.zeros((4, n + 1), dtype=torch.int32, device=device)
+        self.tiles = torch.zeros((2, 2 * n), dtype=torch.int32, device=device)  # request, first position
+        self.tables = torch.zeros((n + 1, cdiv(max_model_len, block_size)), dtype=torch.int32, device=device)
+        self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.no_captures = torch.zeros(n, dtype=torch.int32, device=device)
+        self.cap_at = torch.full((1,), -1, dtype=torch.int32, device=device)
+        self._fixed: dict[tuple[int, int], _Fixed] = {}
+
+    # ------------------------------------------------------------------ staging
+    def clear(self, size: int, q: int) -> None:
+        """Every request a padding request (before a warm-up or a capture)."""
+        self.longs[2, : size * q] = self.pad_slot
+        self.ints[1, : size + 1] = 0
+        self.tiles[0, : 2 * size] = size
+        if self.states is not None:
+            self.ints[3, :size] = self.states.scratch_slot
+
+    def stage(self, chunks: list[ScheduledChunk], tables: BlockTables, size: int, q: int) -> None:
+        """Write the step's requests (``q`` rows each: the last token, then ``q - 1`` drafts)."""
+        bs, bq, pad = self.block_size, self.block_q, size - len(chunks)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        tile_seq: list[int] = []
+        tile_pos: list[int] = []
+        rows = []
+        for i, c in enumerate(chunks):
+            p, req = c.start, c.request
+            blocks = tables.block_ids(req.request_id)
+            ids.append(req.all_token_ids[p])
+            ids.extend(req.spec_token_ids[: q - 1])
+            for j in range(p, p + q):
+                pos.append(j)
+                slots.append(blocks[j // bs] * bs + j % bs)
+            starts.append(p)
+            rows.append(blocks)
+            first, last = p // bq, (p + q - 1) // bq
+            tile_seq += [i, i if last > first else size]
+            tile_pos += [first * bq, last * bq]
+        ids += [0] * (pad * q)
+        pos += [0] * (pad * q)
+        slots += [self.pad_slot] * (pad * q)
+        if self.states is not None:
+            state_slots = [self.states.working[c.request.request_id] for c in chunks]
+            state_slots += [self.states.scratch_slot] * pad
+        else:
+            state_slots = [0] * size
+        nq = [q] * len(chunks) + [0] * (pad + 1)  # padding requests and the empty one have no queries
+        tiles0 = [p - p % bq for p in starts]
+        ints = torch.tensor(
+            [starts + [0] * (pad + 1), nq, tiles0 + [0] * (pad + 1), [*state_slots, 0]], dtype=torch.int32
+        )
+        width = max(len(b) for b in rows)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in rows], dtype=torch.int32)
+        self.longs[:, : size * q].copy_(torch.tensor([ids, pos, slots], dtype=torch.long), non_blocking=True)
+        self.ints[:, : size + 1].copy_(ints, non_blocking=True)
+        self.tables[: len(chunks), :width].copy_(table, non_blocking=True)
+        if q > 1:
+            tile_seq += [size] * (2 * pad)
+            tile_pos += [0] * (2 * pad)
+            self.tiles[:, : 2 * size].copy_(torch.tensor([tile_seq, tile_pos], dtype=torch.int32), non_blocking=True)
+
+    # ------------------------------------------------------------------ the batch a graph reads
+    def forward_batch(self, size: int, q: int) -> ForwardBatch:
+        """The step's :class:`ForwardBatch` over the buffers (the same tensors at every replay)."""
+        from kvwarden.layers.kernels.attention import AttentionMeta  # Triton: GPU backends only
+
+        rows = size * q
+        if q == 1:  # one tile per request, its own
+            meta = AttentionMeta(
+                seq_row0=self.arange[:size],
+                seq_start=self.ints[0, :size],
+                seq_nq=self.ints[1, :size],
+                block_tables=self.tables[:size],
+                tile_seq=self.arange[:size],
+                tile_pos0=self.ints[2, :size],
+            )
+        else:
+            fixed = self.fixed(size, q)
+            meta = AttentionMeta(
+                seq_row0=fixed.seq_row0,
+                seq_start=self.ints[0, : size + 1],
+                seq_nq=self.ints[1, : size + 1],
+                block_tables=self.tables[: size + 1],
+                tile_seq=self.tiles[0, : 2 * size],
+                tile_pos0=self.tiles[1, : 2 * size],
+            )
+        recurrent = None
+        if self.states is not None:  # boundary states are staged after the step, from the kept states
+            if q == 1:
+                recurrent = RecurrentMeta(
+                    seq_row0=self.arange[:size],
+                    seq_len=self.ints[1, :size],
+                    seq_slot=self.ints[3, :size],
+                    row_seq=self.arange[:size],
+                    cap_first=self.no_captures[:size],
+                    cap_count=self.no_captures[:size],
+                    cap_at=self.cap_at,
+                    captures=(),
+                    host_seqs=(),
+                )
+            else:
+                fixed = self.fixed(size, q)
+                recurrent = RecurrentMeta(
+                    seq_row0=fixed.seq_row0[:size],
+                    seq_len=self.ints[1, :size],
+                    seq_slot=self.ints[3, :size],
+                    row_seq=fixed.row_seq,
+                    cap_first=fixed.cap_first,
+                    cap_count=fixed.cap_count,
+                    cap_at=fixed.cap_at,
+                    captures=(),
+                    host_seqs=(),
+                    per_token=q,
+                )
+        return ForwardBatch(
+            input_ids=self.longs[0, :rows],
+            positions=self.longs[1, :rows],
+            slot_mapping=self.longs[2, :rows],
+            plan=AttentionPlan(seqs=(), groups=(), num_rows=rows, meta=meta),
+            block_size=self.block_size,
+            states=self.states,
+            recurrent=recurrent,
+            token_states=[] if q > 1 and self.states is not None else None,
+        )
+
+    def fixed(self, size: int, q: int) -> _Fixed:
+        got = self._fixed.get((size, q))
+        if got is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            seqs = torch.arange(size, **i32)
+            got = _Fixed(
+                seq_row0=torch.arange(size + 1, **i32) * q,
+                row_seq=seqs.repeat_interleave(q),
+                cap_first=seqs * (q - 1),
+                cap_count=torch.full((size,), q - 1, **i32),
+                cap_at=torch.arange(q - 1, **i32).repeat(size) if q > 1 else self.cap_at,
+            )
+            self._fixed[size, q] = got
+        return got
