@@ -32,6 +32,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=0, help="default: the largest batch")
     return p.parse_args()
 
 
@@ -102,8 +104,8 @@ def main() -> int:
     results: dict[str, Any] = {}
     for name, spec in (("off", None), ("on", {"method": "mtp", "num_speculative_tokens": args.k})):
         llm = LLM(
-            args.model, device=device, dtype=args.dtype, max_num_seqs=max(batches), enable_prefix_caching=False,
-            speculative_config=spec,
+            args.model, device=device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or max(batches),
+            enable_prefix_caching=False, speculative_config=spec, block_size=args.block_size,
         )  # fmt: skip
         ids = llm.engine.tokenizer.encode(text)
         stride = max(args.prompt_len, (len(ids) - args.prompt_len) // max(batches))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,8 +140,9 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
 def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root: Path) -> None:
     """(j) through verify graphs: steps whose requests all carry k drafts replay a (k + 1)-row graph (on the
     CPU the same static-buffer step, uncaptured); the hybrid keeps every token's recurrent state there and
-    returns to the last accepted one on the device. MTP's random head rejects (the return), the target as
-    its own draft model is accepted by the greedy requests (the kept end state); block boundaries reached inside verify
+    returns to the last accepted one on the device. MTP's random head rejects (the return) and drafts from
+    its own graph the very tokens it drafts eagerly; the target as its own draft model is accepted by the
+    greedy requests (the kept end state); block boundaries reached inside verify
     graphs are staged for the prefix cache, and a follow-up hits them."""
     rng = random.Random(6)
     prompts = [random_tokens(rng, n, 1000) for n in (11, 17, 10)]
@@ -159,11 +161,19 @@ def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root:
         if family == "qwen3_next":
             methods["mtp"] = {}
         for method, extra in methods.items():
-            llm = make(cuda_graphs=graphs, speculative_config={"method": method, "num_speculative_tokens": 2, **extra})
+            spec = {"method": method, "num_speculative_tokens": 2, **extra}
+            llm = make(cuda_graphs=graphs, speculative_config=spec)
+            drafts = _record_drafts(llm)
             got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
             assert got == reference, (family, method)
             engine, stats = llm.engine, llm.engine.stats()
             assert engine.runner.graphs is not None and engine.runner.graphs.verify_replays > 0
+            if method == "mtp":  # the head drafted from its own graph, the very tokens it drafts eagerly
+                assert engine.speculator.proposer.graphs.replays > 0
+                eager = make(cuda_graphs="off", speculative_config=spec)
+                eager_drafts = _record_drafts(eager)
+                assert [(o.token_ids, o.logprobs) for o in eager.generate(prompts, params)] == reference
+                assert drafts == eager_drafts
             accepted, drafted = stats["spec_num_accepted_tokens"], stats["spec_num_draft_tokens"]
             # the greedy requests accept their own model's drafts (the kept end state); MTP's head rejects
             assert (accepted > 0) if method == "draft" else (accepted < drafted), (method, accepted, drafted)
@@ -173,6 +183,19 @@ def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root:
             assert warm.num_cached_tokens == 16
             cold = make(enable_prefix_caching=False).generate([follow], params[0])[0]
             assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
+
+
+def _record_drafts(llm: LLM) -> list[list[tuple[int, ...]]]:
+    """Every step's drafts, request by request, as the proposer leaves them (filled as ``llm`` runs)."""
+    speculator, log = llm.engine.speculator, []
+    propose = speculator.propose
+
+    def recorded(sched: Any, step: Any, ready: list[Any]) -> None:  # the engine's own call, passed through
+        propose(sched, step, ready)
+        log.append([tuple(r.spec_token_ids) for r in ready])
+
+    speculator.propose = recorded
+    return log
 
 
 def test_decode_graphs_refuse_what_they_cannot_capture(qwen3_next_tiny: Path) -> None:

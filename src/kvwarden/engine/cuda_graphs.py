@@ -124,7 +124,10 @@ class DecodeGraphs:
         self.model, self.kv, self.block_size, self.states = model, kv, block_size, states
         self.sizes = graph_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
-        self.widths = (1, spec_tokens + 1) if spec_tokens else (1,)
+        # A request's k + 1 rows must fit two query tiles; longer drafts verify eagerly.
+        self.widths = (1, spec_tokens + 1) if 0 < spec_tokens < BLOCK_Q else (1,)
+        if spec_tokens >= BLOCK_Q:
+            log.info("verify steps of %d drafts run eagerly (graphs hold up to %d)", spec_tokens, BLOCK_Q - 1)
         self.buffers = GraphBatch(
             model.ops.device, self.max_size, self.widths[-1], block_size, max_model_len, pad_slot, BLOCK_Q, states
         )

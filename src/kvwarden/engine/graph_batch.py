@@ -65,8 +65,7 @@ class GraphBatch:
         block_q: int,
         states: StatePool | None,
     ) -> None:
-        if max_q > block_q:
-            raise ValueError(f"num_speculative_tokens: at most {block_q - 1} drafts fit one verify graph")
+        assert max_q <= block_q, "a request's rows must fit two query tiles"
         n, rows = max_size, max_size * max_q
         self.device, self.block_size, self.pad_slot, self.block_q, self.states = (
             device, block_size, pad_slot, block_q, states,

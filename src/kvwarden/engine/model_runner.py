@@ -54,6 +54,7 @@ class StepLogits:
         verified: a hybrid's verify step replayed from a graph: every token's recurrent state,
             from which the speculator keeps the last accepted one (else None: the eager
             checkpoint and rollback).
+        replayed: the rows per request of the graph the step replayed, 0 when it ran eagerly.
     """
 
     logits: torch.Tensor
@@ -62,6 +63,7 @@ class StepLogits:
     hidden: torch.Tensor | None = None
     hidden_rows: dict[str, int] | None = None
     verified: VerifiedStates | None = None
+    replayed: int = 0  # rows per request of the graph this step replayed (0: eager)
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class ModelRunner:
             q = got.q
             first = {c.request.request_id: i * q for i, c in enumerate(out.chunks)}
             sample = {r: list(range(i, i + q)) for r, i in first.items()}
-            return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified)
+            return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified, q)
         entries: list[BatchEntry] = []
         sample_rows: dict[str, list[int]] = {}
         hidden_rows: dict[str, int] = {}

@@ -22,6 +22,7 @@ from kvwarden.engine.request import Request
 from kvwarden.engine.sampler import sample_row
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import SchedulerOutput
+from kvwarden.engine.spec.mtp_graphs import MtpGraphs
 from kvwarden.engine.spec.target import SpecTarget
 from kvwarden.models.loader import TORCH_DTYPES
 from kvwarden.models.mtp import MtpHead, has_mtp
@@ -49,10 +50,25 @@ class MtpProposer:
         self.head = MtpHead(target.model_config, get, target.loaded.model)
         runner = target.runner
         heads, dim = target.loaded.model.kv_shape()
-        self.kv_caches = [target.ops.new_kv_cache(runner.null_slot + 1, heads, dim, target.loaded.model.dtype)]
+        # like the target's: the null slot, then a slot no block owns (the drafting graph's padding rows)
+        self.kv_caches = [target.ops.new_kv_cache(runner.null_slot + 2, heads, dim, target.loaded.model.dtype)]
+        spec = target.config.speculative
+        self.k = spec.num_speculative_tokens if spec is not None else 1
+        self.graphs: MtpGraphs | None = None
+        if runner.graphs is not None and self.k + 1 in runner.graphs.widths:
+            self.graphs = MtpGraphs(
+                self.head, self.kv_caches, runner.null_slot + 1, runner.graphs, self.k, target.max_model_len,
+                capture=runner.graphs.capture,
+            )  # fmt: skip
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> None:
+        if self._replays(sched, step, ready):
+            assert self.graphs is not None
+            drafts = self.graphs.run(sched.chunks, step.hidden, self._block_ids)
+            for (req, _), tokens in zip(ready, drafts, strict=True):
+                req.spec_token_ids.extend(tokens)
+            return
         out = self._fill(sched, step)
         if out is None:
             return
@@ -66,8 +82,11 @@ class MtpProposer:
             for i, (req, _) in enumerate(work):
                 pos = req.num_tokens + round_
                 # A structured request drafts what its grammar allows after the drafts so far.
-                allowed = req.grammar.mask_after(req.spec_token_ids, logits.device) if req.grammar is not None else None
-                token = sample_row(logits[i], _GREEDY, 0, pos, self.target.row_math, allowed=allowed).token_id
+                if req.grammar is not None:
+                    allowed = req.grammar.mask_after(req.spec_token_ids, logits.device)
+                    token = sample_row(logits[i], _GREEDY, 0, pos, self.target.row_math, allowed=allowed).token_id
+                else:  # the drafting graph's pick: the same argmax, so both draft the same tokens
+                    token = int(logits[i].argmax())
                 req.spec_token_ids.append(token)
                 drafts.append(token)
             keep = [i for i, (_, k) in enumerate(work) if round_ + 1 < k]
@@ -80,6 +99,22 @@ class MtpProposer:
                 for i, req in ((i, work[j][0]) for j, i in enumerate(keep))
             ]
             current = self._run(entries, current[torch.tensor(keep, dtype=torch.long, device=current.device)])
+
+    def _replays(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> bool:
+        """Whether the drafting graph serves this step: it replayed a verify graph, every request goes on
+        with ``k`` drafts of room, none has a grammar (its mask is applied on the host)."""
+        if self.graphs is None or step.replayed != self.k + 1 or step.hidden is None:
+            return False
+        if len(ready) != len(sched.chunks) or any(
+            r is not c.request for (r, _), c in zip(ready, sched.chunks, strict=True)
+        ):
+            return False
+        if any(k != self.k or req.grammar is not None for req, k in ready):
+            return False
+        return all(self._room(req, self.k) == self.k for req, _ in ready)
+
+    def _block_ids(self, request_id: str) -> list[int]:
+        return self.target.kv.block_ids(request_id)
 
     def _fill(self, sched: SchedulerOutput, step: StepLogits) -> tuple[torch.Tensor, dict[str, int]] | None:
         """Run the head over every target row of the step whose next token is known (writes its KV)."""
