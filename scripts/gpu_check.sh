@@ -284,7 +284,7 @@ if want families; then  # the families users bring (#28): agreement both dtypes,
   if [[ "$FAMPARTS" == *" invariance "* ]]; then
   stage "families: invariance (a)-(j), canonical, bfloat16, greedy and seeded"
   timeout 240 python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 \
-    --model builtin:qwen3_5-small --model builtin:granite_hybrid_moe-small 2>&1 | tee "$OUT/families-invariance.log" | grep -v '^{' | tail -n 12
+    "${FAM[@]}" 2>&1 | tee "$OUT/families-invariance.log" | grep -v '^{' | tail -n 16
   tail -n 1 "$OUT/families-invariance.log" > "$OUT/families-invariance.json"
   record "families invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/families-invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
   fi
