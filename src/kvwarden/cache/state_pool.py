@@ -138,9 +138,7 @@ class StatePool:
         slot = self.working[request_id]
         for dst, src in zip(self._working_tensors(), saved, strict=True):
             dst[slot].copy_(src[i])
-        staged = self._staged.get(request_id, {})
-        for pos in [p for p in staged if p > position]:
-            del staged[pos]
+        self._drop_staged_past(request_id, position)
 
     def drop_checkpoint(self, request_id: str) -> None:
         self._checkpoints.pop(request_id, None)
@@ -162,12 +160,16 @@ class StatePool:
         for layer, (conv, ssm) in enumerate(layers):
             self.conv[layer][slot].copy_(conv)
             self.ssm[layer][slot].copy_(ssm)
-        staged = self._staged.get(request_id, {})
-        for p in [p for p in staged if p > pos]:
-            del staged[p]
+        self._drop_staged_past(request_id, pos)
 
     def drop_tokens(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
+
+    def _drop_staged_past(self, request_id: str, pos: int) -> None:
+        """Forget boundary states staged after ``pos`` (computed through rejected drafts)."""
+        staged = self._staged.get(request_id, {})
+        for p in [p for p in staged if p > pos]:
+            del staged[p]
 
     def _working_tensors(self) -> list[torch.Tensor]:
         return [*self.conv, *self.ssm, *self.pending]

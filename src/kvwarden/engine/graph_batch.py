@@ -77,7 +77,6 @@ class GraphBatch:
         self.tiles = torch.zeros((2, 2 * n), dtype=torch.int32, device=device)  # request, first position
         self.tables = torch.zeros((n + 1, cdiv(max_model_len, block_size)), dtype=torch.int32, device=device)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.no_captures = torch.zeros(n, dtype=torch.int32, device=device)
         self.cap_at = torch.full((1,), -1, dtype=torch.int32, device=device)
         self._fixed: dict[tuple[int, int], _Fixed] = {}
 
@@ -163,32 +162,19 @@ class GraphBatch:
             )
         recurrent = None
         if self.states is not None:  # boundary states are staged after the step, from the kept states
-            if q == 1:
-                recurrent = RecurrentMeta(
-                    seq_row0=self.arange[:size],
-                    seq_len=self.ints[1, :size],
-                    seq_slot=self.ints[3, :size],
-                    row_seq=self.arange[:size],
-                    cap_first=self.no_captures[:size],
-                    cap_count=self.no_captures[:size],
-                    cap_at=self.cap_at,
-                    captures=(),
-                    host_seqs=(),
-                )
-            else:
-                fixed = self.fixed(size, q)
-                recurrent = RecurrentMeta(
-                    seq_row0=fixed.seq_row0[:size],
-                    seq_len=self.ints[1, :size],
-                    seq_slot=self.ints[3, :size],
-                    row_seq=fixed.row_seq,
-                    cap_first=fixed.cap_first,
-                    cap_count=fixed.cap_count,
-                    cap_at=fixed.cap_at,
-                    captures=(),
-                    host_seqs=(),
-                    per_token=q,
-                )
+            fixed = self.fixed(size, q)  # q = 1: no per-token states (every count 0)
+            recurrent = RecurrentMeta(
+                seq_row0=fixed.seq_row0[:size],
+                seq_len=self.ints[1, :size],
+                seq_slot=self.ints[3, :size],
+                row_seq=fixed.row_seq,
+                cap_first=fixed.cap_first,
+                cap_count=fixed.cap_count,
+                cap_at=fixed.cap_at,
+                captures=(),
+                host_seqs=(),
+                per_token=q if q > 1 else 0,
+            )
         return ForwardBatch(
             input_ids=self.longs[0, :rows],
             positions=self.longs[1, :rows],
