@@ -41,3 +41,8 @@ def test_demo_tells_the_story_and_writes_every_report(qwen3_next_tiny: Path, tmp
     # the churn plot, or the sentence that stands in for a plot of zeros
     assert "candidate-set churn per generated token" in page or "(churn 0)" in page
     assert "(none compared)" not in page
+    # the sparse-attention rows: the first incident's selection makes B follow its batch; kvwarden's does not
+    assert "B among other requests differs from B alone" in text
+    assert "B identical alone and among other requests, in every run" in text
+    for run_dir in ("topk/unsafe-topk", "topk/kvwarden"):
+        assert (tmp_path / run_dir / "report.html").is_file(), run_dir

@@ -24,7 +24,7 @@ from kvwarden import LLM, SamplingParams
 from kvwarden.bench.properties import PROPERTIES, check_properties
 from reference import assert_agrees
 
-FAMILIES = ["qwen2", "mistral", "llama3", "qwen3_moe", "qwen3_5", "granite_hybrid_moe"]
+FAMILIES = ["qwen2", "mistral", "llama3", "qwen3_moe", "qwen3_5", "granite_hybrid_moe", "glm_moe_dsa", "deepseek_v32"]
 LIKELY = -5.0
 
 

@@ -54,6 +54,10 @@ class NumericsConfig:
             ``"triton"`` - the Triton kernels on the CPU too, which needs Triton's
             interpreter (``TRITON_INTERPRET=1``): how CI runs the GPU kernels
             through the whole engine without a GPU.
+        unsafe_topk: TESTING ONLY. Sparse attention's key selection (GLM-5's indexer) on bfloat16 scores
+            with ties kept in the order parallel partitions happen to finish, as the kernel behind the
+            seed incident hands out slots: the selection, and the answer, then depend on the step's
+            shape. ``numerics="shape-dependent"`` always selects this way.
     """
 
     mode: NumericsMode = "canonical"
@@ -62,6 +66,7 @@ class NumericsConfig:
     pointwise_chunk: int = 16384
     scan_chunk: int = 16
     kernels: str = "auto"
+    unsafe_topk: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in NUMERICS_MODES:

@@ -50,6 +50,9 @@ class LLM:
             loaded back layer by layer on a prefix hit, with the same logits.
         unsafe_host_load: testing only: read host-loaded blocks without waiting
             for their copy (re-creates a known race; changes the logits).
+        unsafe_topk: testing only: sparse attention (GLM-5) selects keys as the
+            kernel of a known incident did (bfloat16 scores, ties in partition
+            arrival order; the answer then depends on the batch).
         enforce_eager: run every step eagerly; by default a GPU replays pure
             decode steps from CUDA graphs (same logits, less host time).
         cuda_graphs: ``"auto"`` / ``"off"`` / ``"emulate"`` (tests; see
@@ -76,6 +79,7 @@ class LLM:
         kernels: str = "auto",
         host_cache_bytes: int = 0,
         unsafe_host_load: bool = False,
+        unsafe_topk: bool = False,
         enforce_eager: bool = False,
         cuda_graphs: str = "auto",
     ) -> None:
@@ -99,7 +103,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 chunking=chunking,  # type: ignore[arg-type]
             ),
-            numerics=NumericsConfig(mode=numerics, kernels=kernels),  # type: ignore[arg-type]
+            numerics=NumericsConfig(mode=numerics, kernels=kernels, unsafe_topk=unsafe_topk),  # type: ignore[arg-type]
             speculative=SpeculativeConfig.from_dict(speculative_config),
             cuda_graphs="off" if enforce_eager else cuda_graphs,
         )

@@ -8,6 +8,8 @@ production), and kvwarden's defaults with it off. Beside each observation, the p
 verdict for the same lengths and the block size the server reported. Every
 configuration leaves a probe run directory (``records.jsonl``,
 ``summary.json``, ``report.html``); the top directory has the summary page.
+Then the sparse-attention rows (``commands/demo_topk.py``): the key selection
+of the first incident against kvwarden's deterministic top-k.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -67,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="runs of B per arm")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens B generates (the plots' x axis)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/demo-TIMESTAMP)")
+    p.add_argument("--no-topk", action="store_true", help="skip the sparse-attention rows (the key-selection incident)")
     p.set_defaults(func=run)
 
 
@@ -163,9 +166,15 @@ def run(args: argparse.Namespace) -> int:
             )
     ok = _summary(console, results)
     ok &= _spec_row(console, results, method, drafted)
-    page = _write_page(out, args, len(a), len(b), results, js)
+    topk: list = []
+    if not args.no_topk:
+        from kvwarden.commands.demo_topk import run_topk
+
+        topk_ok, topk = run_topk(console, out, js, args.repeats, min(args.max_tokens, 16))
+        ok &= topk_ok
+    page = _write_page(out, args, len(a), len(b), results + topk, js)
     (out / "summary.json").write_text(
-        json.dumps({cfg.label: r.to_dict() for cfg, r in results} | {"all_as_predicted": ok}, indent=2)
+        json.dumps({cfg.label: r.to_dict() for cfg, r in results + topk} | {"all_as_predicted": ok}, indent=2)
     )
     console.print(f"\nHTML report: {page.resolve()}  ({time.perf_counter() - start:.0f} s)")
     return 0 if ok else 1
@@ -245,8 +254,22 @@ def _spec_row(console: Console, results: list[tuple[Config, RunResult]], method:
     return same
 
 
+def _observation(result: RunResult) -> str:
+    if "alone" in {s.arm for s in result.summaries}:  # a sparse-attention row
+        from kvwarden.commands.demo_topk import observed
+
+        return observed(result)[0]
+    return _says(result)[0]
+
+
+def _settings(cfg: object) -> str:
+    if isinstance(cfg, Config):
+        return f"chunking {cfg.chunking}, numerics {cfg.numerics}"
+    return "server flags: " + (" ".join(getattr(cfg, "extra_args", ())) or "defaults")
+
+
 def _write_page(
-    out: Path, args: argparse.Namespace, a_len: int, b_len: int, results: list[tuple[Config, RunResult]], js: Path
+    out: Path, args: argparse.Namespace, a_len: int, b_len: int, results: list[tuple[Any, RunResult]], js: Path
 ) -> Path:
     from kvwarden.probe.html_report import arm_plots, arms_table, page
 
@@ -255,14 +278,14 @@ def _write_page(
     sections = []
     for cfg, result in results:
         link = (result.run_dir.relative_to(out) / "report.html").as_posix()
-        text = "an arm failed" if any(s.error for s in result.summaries) else _says(result)[0]
+        text = "an arm failed" if any(s.error for s in result.summaries) else _observation(result)
         rows.append(
             f"<tr><td><a href='{html.escape(link)}'>{html.escape(cfg.label)}</a></td><td>{html.escape(text)}</td></tr>"
         )
         plots = "".join(arm_plots(s, cfg.label) for s in result.summaries if s.deltas)
         sections.append(
             f"<h2>{html.escape(cfg.label)}</h2>"
-            + arms_table(f"{cfg.label}: arms (chunking {cfg.chunking}, numerics {cfg.numerics})", result.summaries)
+            + arms_table(f"{cfg.label}: arms ({_settings(cfg)})", result.summaries)
             + (plots or "<p>Every arm's runs were bitwise identical: nothing to plot.</p>")
         )
     summary = (

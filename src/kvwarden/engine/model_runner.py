@@ -78,9 +78,7 @@ class BatchEntry:
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     """Upper bound of one block's KV bytes over every attention layer (V may carry a ones column)."""
-    heads, dim = model.kv_shape()
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    return model.num_attention_layers * block_size * heads * (2 * dim + 1) * elem
+    return model.num_attention_layers * block_size * model.kv_bytes_per_token()
 
 
 class ModelRunner:
@@ -102,16 +100,13 @@ class ModelRunner:
         self.tracer: TraceSink | None = None  # set by tools that trace activations
         self.block_size = block_size
         self.numerics = numerics
-        heads, dim = model.kv_shape()
         self.ops = model.ops
         self.device = model.ops.device
         self.null_slot = num_blocks * block_size
         slots = self.null_slot + 2  # the null slot stays all zero; the last one is the graphs' scratch
         layers = model.num_attention_layers
         # Layer i's tensors are reached only through kv_caches[i], which waits for its pending host-tier copies.
-        self.kv_caches = PagedKV(
-            [self.ops.new_kv_cache(slots, heads, dim, model.dtype) for _ in range(layers)], unsafe_host_load
-        )
+        self.kv_caches = PagedKV([model.new_kv_cache(slots) for _ in range(layers)], unsafe_host_load)
         self.graphs = self._make_graphs(*graphs, spec_tokens)
 
     def _make_graphs(self, mode: str, max_model_len: int, max_num_seqs: int, spec_tokens: int) -> DecodeGraphs | None:

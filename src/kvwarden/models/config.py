@@ -18,7 +18,9 @@ from kvwarden.models.config_parts import (
     MAMBA2,
     GatedDeltaNetConfig,
     Mamba2Config,
+    MlaConfig,
     MoEConfig,
+    dsa_fields,
     granite_hybrid_fields,
     qwen3_next_fields,
     qwen_moe,
@@ -34,6 +36,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "GatedDeltaNetConfig",
     "Mamba2Config",
+    "MlaConfig",
     "MoEConfig",
     "ModelConfig",
     "rope_parameters",
@@ -48,6 +51,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "GraniteMoeHybridForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "DeepseekV32ForCausalLM",
 )
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -58,6 +63,8 @@ _MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
 # Families whose attention has a per-head q/k RMSNorm, and those with Qwen3-Next's linear attention.
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
@@ -97,12 +104,21 @@ class ModelConfig:
     gated_deltanet: GatedDeltaNetConfig | None = None
     mamba2: Mamba2Config | None = None
     moe: MoEConfig | None = None
+    mla: MlaConfig | None = None  # GLM-5: latent attention with a lightning indexer (DSA) on every layer
     sliding_window: int | None = None  # Mistral: attention limited to this many keys (served up to it only)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def fp32_weights(self) -> tuple[str, ...]:
+        """Name suffixes of tensors the family computes in float32 whatever the model dtype (as transformers
+        keeps them): GLM-5's router, its score-correction bias and the indexer's head weights."""
+        if self.mla is None:
+            return ()
+        return ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 
     @property
     def attention_layers(self) -> list[int]:
@@ -160,6 +176,8 @@ class ModelConfig:
             common["moe"] = qwen_moe(cfg, int(cfg["num_hidden_layers"]), shared=False)
         elif arch == "GraniteMoeHybridForCausalLM":
             common.update(granite_hybrid_fields(cfg))
+        elif arch in ("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"):
+            common.update(dsa_fields(arch, cfg, rope))
         return cls(**common)
 
     @classmethod

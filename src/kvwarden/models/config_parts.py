@@ -7,6 +7,7 @@ them) and raises ``ValueError`` naming the field it cannot serve.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +58,38 @@ class MoEConfig:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
     # "softmax_topk": softmax over every expert, then the top k (Qwen); "topk_softmax": the top k logits,
-    # then a softmax over them (Granite)
+    # then a softmax over them (Granite); "sigmoid_group": DeepSeek's group-limited sigmoid routing (GLM-5)
     routing: str = "softmax_topk"
+    n_group: int = 1  # sigmoid_group: experts fall into n_group groups, the best topk_group groups compete
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # sigmoid_group: the routed experts' weights are scaled by it
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek-style multi-head latent attention with a lightning indexer (GLM-5's DSA).
+
+    The cache holds one latent row per token (``kv_lora_rank`` normalised latent, then the
+    ``qk_rope_head_dim`` rotated key) and one indexer key (``index_head_dim``), not per-head keys.
+    ``indexer_full[i]``: layer ``i`` runs its own indexer; otherwise it reuses the previous full layer's
+    selection.
+    """
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_full: tuple[bool, ...]
+    softmax_scale: float  # (qk_nope + qk_rope) ** -0.5, times yarn's mscale squared when the rope is yarn
+    indexer_interleaved: bool = True  # GLM-5 turns the indexer's pairs interleaved; DeepSeek-V3.2 half-split
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 def qwen3_next_fields(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +136,92 @@ def qwen_moe(cfg: dict[str, Any], n: int, shared: bool) -> MoEConfig | None:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", shared)),  # transformers' defaults: Qwen3-Next on, Qwen3-MoE off
         sparse_layers=sparse,
     )
+
+
+def dsa_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek Sparse Attention models - GLM-5's ``glm_moe_dsa`` and DeepSeek-V3.2's ``deepseek_v32``: MLA
+    with a lightning indexer on every layer, dense then sparse MLPs. GLM-5 may share a full layer's
+    selection with the layers after it (``indexer_types``) and turns the indexer's rope pairs interleaved."""
+    n = int(cfg["num_hidden_layers"])
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if not cfg.get(name):
+            raise ValueError(f"config.json: {name} {cfg.get(name)!r} is not supported (a positive size)")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(
+            f"config.json: rope_parameters.rope_type {rope_type!r} is not supported for {arch} (default, yarn)"
+        )
+    if cfg.get("attention_bias"):
+        raise ValueError(f"config.json: attention_bias true is not supported for {arch}")
+    if int(cfg["qk_rope_head_dim"]) % 2 or int(cfg.get("index_head_dim", 128)) < int(cfg["qk_rope_head_dim"]):
+        raise ValueError("config.json: qk_rope_head_dim must be even and at most index_head_dim")
+    glm = arch == "GlmMoeDsaForCausalLM"
+    types = cfg.get("indexer_types")
+    if not glm:  # DeepSeek-V3.2: every layer runs its indexer (a config asking otherwise is not served)
+        if types is not None and any(t != "full" for t in types):
+            raise ValueError(f"config.json: indexer_types {types} is not supported for {arch} (every layer full)")
+        types = ["full"] * n
+    if types is None:  # as transformers derives it: index_topk_pattern, else index_topk_freq / offset
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+        else:
+            freq, offset = max(int(cfg.get("index_topk_freq", 1)), 1), int(cfg.get("index_skip_topk_offset", 2))
+            types = ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)]
+    unknown = sorted({str(t) for t in types} - {"full", "shared"})
+    if unknown or len(types) != n:
+        raise ValueError(f"config.json: indexer_types {unknown or types} is not supported (full, shared per layer)")
+    if types[0] != "full":
+        raise ValueError("config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier selection)")
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        dense = min(int(cfg.get("first_k_dense_replace", 3)), n)
+        kinds = ["dense"] * dense + ["sparse"] * (n - dense)
+    if sorted({str(k) for k in kinds} - {"dense", "sparse"}):
+        raise ValueError(f"config.json: mlp_layer_types {kinds} is not supported (dense, sparse per layer)")
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    groups, topk_group = int(cfg.get("n_group", 1) or 1), int(cfg.get("topk_group", 1) or 1)
+    if experts % groups or not 1 <= topk_group <= groups or (experts and experts // groups < 2):
+        raise ValueError(
+            f"config.json: n_group {groups} / topk_group {topk_group} do not split {experts} experts into "
+            "groups of two or more"
+        )
+    sparse = tuple(k == "sparse" for k in kinds)
+    moe = None
+    if experts and any(sparse):
+        moe = MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts", 0) or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=sparse,
+            routing="sigmoid_group",
+            n_group=groups,
+            topk_group=topk_group,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+    qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+    scale = qk**-0.5
+    if rope_type != "default" and rope.get("mscale_all_dim"):  # as transformers: yarn's mscale, squared
+        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(float(rope["factor"])) + 1.0
+        scale = scale * mscale * mscale if float(rope["factor"]) > 1 else scale
+    mla = MlaConfig(
+        q_lora_rank=int(cfg["q_lora_rank"]),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        index_n_heads=int(cfg.get("index_n_heads", 32)),
+        index_head_dim=int(cfg.get("index_head_dim", 128)),
+        index_topk=int(cfg.get("index_topk", 2048)),
+        indexer_full=tuple(t == "full" for t in types),
+        softmax_scale=scale,
+        indexer_interleaved=glm,
+    )
+    # rope turns the qk_rope_head_dim slice only: the rotary table is that wide (transformers points
+    # head_dim at it too)
+    return {"mla": mla, "moe": moe, "head_dim": mla.qk_rope_head_dim, "qk_norm": False}
 
 
 def granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:

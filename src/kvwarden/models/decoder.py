@@ -17,6 +17,7 @@ from kvwarden.layers.rotary import RotaryEmbedding
 from kvwarden.models.attention_block import AttentionBlock
 from kvwarden.models.common import ForwardBatch, SeqSlice, WeightGetter, norm_weight, require
 from kvwarden.models.config import ATTENTION, GATED_DELTANET, ModelConfig
+from kvwarden.models.mla_block import MlaBlock
 from kvwarden.models.mlp import build_ffn
 from kvwarden.models.recurrent_blocks import GatedDeltaNetBlock, Mamba2Block
 
@@ -41,7 +42,10 @@ class DecoderLayer:
         self.input_norm = norm_weight(cfg, get, f"{prefix}.input_layernorm.weight")
         self.post_norm = norm_weight(cfg, get, f"{prefix}.post_attention_layernorm.weight")
         self.name = f"L{index}" if prefix.startswith("model.layers.") else prefix
-        if self.kind == ATTENTION:
+        self.mixer: AttentionBlock | MlaBlock | GatedDeltaNetBlock | Mamba2Block
+        if self.kind == ATTENTION and cfg.mla is not None:
+            self.mixer = MlaBlock(cfg, get, f"{prefix}.self_attn", ops, rope, index)
+        elif self.kind == ATTENTION:
             self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope)
         elif self.kind == GATED_DELTANET:
             self.mixer = GatedDeltaNetBlock(cfg, get, f"{prefix}.linear_attn", ops)
@@ -112,6 +116,30 @@ class DecoderModel:
         """(kv heads, head dim) of every attention layer's cache."""
         return self.cfg.num_key_value_heads, self.cfg.head_dim
 
+    def new_kv_cache(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One attention layer's cache tensors, all zero (the null slot's rows stay so).
+
+        Per-head K and V in the numerics backend's layout; GLM-5's sparse attention keeps the latent row
+        ``[c | k_rope]`` per token in the first tensor and the indexer's key in the second (one head each).
+        """
+        mla = self.cfg.mla
+        if mla is None:
+            heads, dim = self.kv_shape()
+            return self.ops.new_kv_cache(slots, heads, dim, self.dtype)
+        dev = self.ops.device
+        return (
+            torch.zeros(slots, 1, mla.latent_dim, dtype=self.dtype, device=dev),
+            torch.zeros(slots, 1, mla.index_head_dim, dtype=self.dtype, device=dev),
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies in one attention layer's cache (an upper bound: V may carry a ones column)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.cfg.mla is not None:
+            return (self.cfg.mla.latent_dim + self.cfg.mla.index_head_dim) * elem
+        heads, dim = self.kv_shape()
+        return heads * (2 * dim + 1) * elem
+
     @property
     def num_attention_layers(self) -> int:
         return len(self.cfg.attention_layers)
@@ -126,6 +154,7 @@ class DecoderModel:
             h = h * self.cfg.embedding_multiplier
         batch.trace("embed", h)
         pending = None
+        batch.dsa_selection = None
         for layer in self.layers:
             h, pending = layer(h, batch, kv_caches, pending)
         if pending is None:

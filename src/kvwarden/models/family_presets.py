@@ -20,6 +20,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "granite_hybrid_moe": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "glm_moe_dsa"),
+    "deepseek_v32": ("DeepseekV32ForCausalLM", "deepseek_v32"),
 }
 
 _DENSE = {  # hidden, intermediate, layers, heads, kv heads, head dim, tied
@@ -54,6 +56,23 @@ def family_config(arch: str, preset: str, vocab: int, eos: int, bos: int) -> dic
         "dtype": "float32",
         "use_cache": True,
     }
+    if arch == "glm_moe_dsa":
+        return common | _glm_moe_dsa(preset)
+    if arch == "deepseek_v32":  # the same attention, every layer its own indexer, DeepSeek's yarn rope
+        cfg = common | _glm_moe_dsa(preset)
+        del cfg["indexer_types"]
+        factor = 4.0
+        cfg["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": factor,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+        return cfg
     if arch in ("qwen3_5", "granite_hybrid_moe"):
         return common | (_qwen3_5(preset) if arch == "qwen3_5" else _granite_moe(preset))
     hidden, inter, layers, heads, kv, head_dim, tied = _DENSE[(arch, preset)]
@@ -157,4 +176,41 @@ def _granite_moe(preset: str) -> dict[str, Any]:
         "logits_scaling": 2.0,
         "tie_word_embeddings": True,
         "attention_bias": False,
+    }
+
+
+def _glm_moe_dsa(preset: str) -> dict[str, Any]:
+    """GLM-5's shape in miniature: latent attention, an indexer whose ``index_topk`` prunes at the lengths
+    tests use (8 of a few dozen keys; 32 in small), a shared-selection layer, a dense first MLP, then
+    group-limited routed experts beside a shared one."""
+    tiny, small = (64, 3, 4, 32, 16, 16, 16, 8, 32, 8, 8, 2), (256, 4, 8, 128, 32, 32, 32, 8, 64, 32, 16, 4)
+    hidden, layers, heads, lora, nope, rope, v, ih, idim, topk, experts, groups = tiny if preset == "tiny" else small
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "moe_intermediate_size": hidden // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "q_lora_rank": lora,
+        "kv_lora_rank": lora,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+        "head_dim": rope,
+        "index_n_heads": ih,
+        "index_head_dim": idim,
+        "index_topk": topk,
+        "indexer_types": ["shared" if i % 2 else "full" for i in range(layers)],
+        "first_k_dense_replace": 1,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": 2,
+        "n_group": groups,
+        "topk_group": groups // 2,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }

@@ -54,10 +54,16 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
 
     asked: set[str] = set()
 
+    fp32 = cfg.fp32_weights
+
     def get(name: str) -> torch.Tensor | None:
         asked.add(name)
         t = tensors.get(name)
-        return None if t is None else t.to(torch_dtype).contiguous().to(ops.device)
+        if t is None:
+            return None
+        # as transformers keeps them: a float32 tensor of these stays float32 in a bfloat16 model
+        want = torch.float32 if name.endswith(fp32) and t.dtype == torch.float32 else torch_dtype
+        return t.to(want).contiguous().to(ops.device)
 
     max_positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     model = DecoderModel(cfg, get, ops, max_positions)
@@ -131,6 +137,8 @@ def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             f"{p}.v_proj.weight": (cfg.num_key_value_heads * d, h),
             f"{p}.o_proj.weight": (h, cfg.num_attention_heads * d),
         }
+    if cfg.mla is not None:
+        expected |= _mla_shapes(cfg)
     for i in range(cfg.num_hidden_layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             expected[f"model.layers.{i}.{norm}.weight"] = (h,)
@@ -140,6 +148,26 @@ def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError(
                 f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies {shape}"
             )
+
+
+def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GLM-5's attention and indexer tensors as ``config.json`` sizes them."""
+    m, h, heads = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    assert m is not None
+    out: dict[str, tuple[int, ...]] = {}
+    for i in cfg.attention_layers:
+        p = f"model.layers.{i}.self_attn"
+        out |= {
+            f"{p}.q_a_proj.weight": (m.q_lora_rank, h),
+            f"{p}.q_b_proj.weight": (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank),
+            f"{p}.kv_a_proj_with_mqa.weight": (m.latent_dim, h),
+            f"{p}.kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            f"{p}.o_proj.weight": (h, heads * m.v_head_dim),
+            f"{p}.indexer.wq_b.weight": (m.index_n_heads * m.index_head_dim, m.q_lora_rank),
+            f"{p}.indexer.wk.weight": (m.index_head_dim, h),
+            f"{p}.indexer.weights_proj.weight": (m.index_n_heads, h),
+        }
+    return out
 
 
 def _refuse_unused(cfg: ModelConfig, tensors: dict[str, torch.Tensor], asked: set[str]) -> None:

@@ -49,7 +49,9 @@ class SparseMoE:
     Granite: its ``shared_mlp``, ungated; Qwen3-MoE: none).
 
     Routing follows the family (``MoEConfig.routing``): Qwen takes the softmax over every expert, then
-    the top k (renormalised when ``norm_topk_prob``); Granite the top k logits, then their softmax.
+    the top k (renormalised when ``norm_topk_prob``); Granite the top k logits, then their softmax;
+    GLM-5 (DeepSeek's group-limited routing) the sigmoid of float32 logits, a bias-corrected choice
+    within the best ``topk_group`` of ``n_group`` groups, the chosen sigmoids renormalised and scaled.
 
     NOTE(invariance): every expert GEMM goes through the row-tiled linear (a
     row's bits do not depend on which other tokens chose the expert), and a
@@ -65,8 +67,12 @@ class SparseMoE:
         assert cfg.moe is not None
         self.moe, self.ops = cfg.moe, ops
         self.topk_first = cfg.moe.routing == "topk_softmax"
+        self.grouped = cfg.moe.routing == "sigmoid_group"
+        if self.grouped and ops.device_moe:
+            raise ValueError(f"{cfg.architecture}: group-limited MoE routing runs on the CPU backends only")
         self.shared_gate: torch.Tensor | None = None
         self.shared: MLP | GraniteMLP | None = None
+        self.score_bias: torch.Tensor | None = None
         if cfg.architecture == "GraniteMoeHybridForCausalLM":  # stacked experts in the checkpoint
             moe = f"{prefix}.block_sparse_moe"
             self.router = require(get, f"{moe}.router.layer.weight")
@@ -80,7 +86,12 @@ class SparseMoE:
             w_gate_up = torch.stack([e.w_gate_up for e in experts])
             w_down = torch.stack([e.w_down for e in experts])
             del experts
-            if cfg.moe.shared_intermediate_size:
+            if self.grouped:  # float32 router and score-correction bias; ungated shared experts
+                self.router = self.router.float()
+                self.score_bias = require(get, f"{mlp}.gate.e_score_correction_bias").float()
+                if cfg.moe.shared_intermediate_size:
+                    self.shared = MLP(get, f"{mlp}.shared_experts", ops)
+            elif cfg.moe.shared_intermediate_size:
                 self.shared = MLP(get, f"{mlp}.shared_expert", ops)
                 self.shared_gate = get(f"{mlp}.shared_expert_gate.weight")
         self.w_gate_up, self.w_down = w_gate_up, w_down
@@ -110,6 +121,8 @@ class SparseMoE:
     def _route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [rows, k]`` in the model dtype, ``chosen [rows, k])`` on the CPU."""
         ops, k = self.ops, self.moe.top_k
+        if self.grouped:
+            return self._route_grouped(h)
         logits = ops.linear(h, self.router).float()
         if self.topk_first:
             top, chosen = ops.topk_rows(logits, k)
@@ -119,6 +132,29 @@ class SparseMoE:
             if self.moe.norm_topk_prob:
                 weights = weights / ops.sum_rows(weights)
         return weights.to(h.dtype), chosen
+
+    def _route_grouped(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's group-limited sigmoid routing (GLM-5), in float32 as transformers computes it.
+
+        NOTE(invariance): every step is row-wise (GEMM rows through the row-tiled linear, element-wise
+        IEEE arithmetic, per-row top-k and sums): a token's experts and weights depend on its row alone.
+        """
+        ops, moe = self.ops, self.moe
+        assert self.score_bias is not None
+        scores = ops.sigmoid(ops.linear(h.float(), self.router))
+        choice = scores + self.score_bias
+        rows = choice.shape[0]
+        per_group = choice.view(rows, moe.n_group, -1)
+        best_two = ops.topk_rows(per_group.reshape(rows * moe.n_group, -1), 2)[0].view(rows, moe.n_group, 2)
+        group_scores = best_two[..., 0] + best_two[..., 1]
+        groups = ops.topk_rows(group_scores, moe.topk_group)[1]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = per_group.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(rows, -1)
+        chosen = ops.topk_rows(choice, moe.top_k)[1]
+        weights = scores.gather(1, chosen)
+        if moe.norm_topk_prob:
+            weights = weights / (ops.sum_rows(weights) + 1e-20)
+        return (weights * moe.routed_scaling_factor).to(h.dtype), chosen
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """``[rows, k, H]``: each (token, rank) through its expert, times its weight (experts walked on the host)."""

@@ -15,6 +15,8 @@ ARCHS = (
     "qwen3_moe",
     "qwen3_5",
     "granite_hybrid_moe",
+    "glm_moe_dsa",
+    "deepseek_v32",
 )
 # tiny: a whole test in milliseconds; small: the CPU benchmark size; compat: head sizes vLLM's
 # CPU kernels accept; 0.6b: Qwen3-0.6B's real shape (qwen3) or a Qwen3-Next-style model of similar

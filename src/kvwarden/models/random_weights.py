@@ -75,7 +75,9 @@ def random_checkpoint(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dic
         p = f"model.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = draw(h, std=0.1, offset=offset)
         w[f"{p}.post_attention_layernorm.weight"] = draw(h, std=0.1, offset=offset)
-        if kind == ATTENTION:
+        if kind == ATTENTION and mc.mla is not None:
+            _mla(w, f"{p}.self_attn", mc, i, draw)
+        elif kind == ATTENTION:
             _attention(w, f"{p}.self_attn", mc, draw, offset)
         elif kind == GATED_DELTANET:
             _gated_deltanet(w, f"{p}.linear_attn", mc, draw, init, split=mc.architecture == "Qwen3_5ForCausalLM")
@@ -102,6 +104,28 @@ def _attention(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, 
     if mc.qk_norm:
         w[f"{p}.q_norm.weight"] = draw(d, std=0.1, offset=offset)
         w[f"{p}.k_norm.weight"] = draw(d, std=0.1, offset=offset)
+
+
+def _mla(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, i: int, draw: Draw) -> None:
+    """GLM-5's latent attention and, on a full layer, its lightning indexer (transformers' names)."""
+    m, h, heads = mc.mla, mc.hidden_size, mc.num_attention_heads
+    assert m is not None
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    w[f"{p}.q_a_proj.weight"] = draw(m.q_lora_rank, h, std=h**-0.5)
+    w[f"{p}.q_a_layernorm.weight"] = draw(m.q_lora_rank, std=0.1, offset=1.0)
+    w[f"{p}.q_b_proj.weight"] = draw(heads * qk, m.q_lora_rank, std=m.q_lora_rank**-0.5)
+    w[f"{p}.kv_a_proj_with_mqa.weight"] = draw(m.latent_dim, h, std=h**-0.5)
+    w[f"{p}.kv_a_layernorm.weight"] = draw(m.kv_lora_rank, std=0.1, offset=1.0)
+    kv_b_rows = heads * (m.qk_nope_head_dim + m.v_head_dim)
+    w[f"{p}.kv_b_proj.weight"] = draw(kv_b_rows, m.kv_lora_rank, std=m.kv_lora_rank**-0.5)
+    w[f"{p}.o_proj.weight"] = draw(h, heads * m.v_head_dim, std=(heads * m.v_head_dim) ** -0.5)
+    if m.indexer_full[i]:
+        d = m.index_head_dim
+        w[f"{p}.indexer.wq_b.weight"] = draw(m.index_n_heads * d, m.q_lora_rank, std=m.q_lora_rank**-0.5)
+        w[f"{p}.indexer.wk.weight"] = draw(d, h, std=h**-0.5)
+        w[f"{p}.indexer.k_norm.weight"] = draw(d, std=0.1, offset=1.0)
+        w[f"{p}.indexer.k_norm.bias"] = draw(d, std=0.1)
+        w[f"{p}.indexer.weights_proj.weight"] = draw(m.index_n_heads, h, std=h**-0.5)
 
 
 def _gated_deltanet(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, init: Init, split: bool) -> None:
@@ -164,6 +188,11 @@ def _ffn(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, i: int, draw: Draw
         w[f"{p}.mlp.gate.weight"] = draw(moe.num_experts, h, std=h**-0.5)
         for e in range(moe.num_experts):
             _swiglu(w, f"{p}.mlp.experts.{e}", h, moe.intermediate_size, draw)
+        if moe.routing == "sigmoid_group":  # GLM-5: a score-correction bias, ungated shared experts
+            w[f"{p}.mlp.gate.e_score_correction_bias"] = draw(moe.num_experts, std=0.05)
+            if moe.shared_intermediate_size:
+                _swiglu(w, f"{p}.mlp.shared_experts", h, moe.shared_intermediate_size, draw)
+            return
         if moe.shared_intermediate_size:
             _swiglu(w, f"{p}.mlp.shared_expert", h, moe.shared_intermediate_size, draw)
             w[f"{p}.mlp.shared_expert_gate.weight"] = draw(1, h, std=h**-0.5)

@@ -1,4 +1,8 @@
-"""Built-in probe scenarios: contamination, batch, budget, spec, repeat (docs/production-story.md §2).
+"""Built-in probe scenarios: contamination, batch, budget, spec, topk, repeat (docs/production-story.md §2).
+
+``topk`` is the batch scenario aimed at sparse attention's key selection (GLM-5, DeepSeek-V3.2): B alone,
+then B among concurrent requests, at temperature 0. A selection kernel that keeps equal scores in thread
+arrival order makes B's answer follow its batch partners (the first incident, docs/sparse-attention.md).
 
 Prompts are built from the bundled documents. With a tokenizer (the served
 model's, when the probe knows it) prompts are token-id lists of exact lengths,
@@ -15,7 +19,7 @@ from kvwarden.models.tokenizer import Tokenizer
 from kvwarden.probe.launchers import ServerSettings
 from kvwarden.probe.scenario import Arm, Request, Scenario, Step
 
-BUILTINS = ("contamination", "batch", "budget", "spec", "repeat")
+BUILTINS = ("contamination", "batch", "budget", "spec", "topk", "repeat")
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def build(
             Arm("no-cache", (b_runs,), base.replace(prefix_caching=False)),
         )
         compare: tuple[str, ...] = ("clean", "contaminated")
-    elif name == "batch":
+    elif name in ("batch", "topk"):
         arms = (Arm("alone", (b_runs,), base), Arm("among-noise", (Step("B", repeats, concurrent_noise=noise),), base))
         compare = ("alone", "among-noise")
     elif name == "budget":

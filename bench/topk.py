@@ -1,0 +1,153 @@
+"""Sparse attention's key selection: kvwarden's deterministic top-k against ``torch.topk`` and the incident's
+arrival-order selection, and the DSA preset's prefill and decode beside a dense model of its size.
+
+Selection rows: ``rows`` queries x ``keys`` index scores (|N(0, 1)| * 3, float32; the arrival selection
+rounds them to bfloat16 as production indexers score), best of ``--repeats`` timings each. On the CPU the
+deterministic path is the stable sort (``layers/sparse_attention.py``); on a GPU also the Triton kernel
+(``layers/kernels/topk.py``). The tie column: rows whose ``k``-th and next score are equal, in float32 and
+after rounding to bfloat16 - the ties the incident needs.
+
+Model rows: prefill tokens/s of one prompt and greedy decode tokens/s at batch 1 for
+``builtin:glm_moe_dsa-small`` and ``builtin:qwen3_moe-small`` (canonical numerics), and the DSA model with
+the incident's selection (``unsafe_topk``).
+
+    python bench/topk.py                 # CPU, 4K-64K keys, 1-256 rows
+    python bench/topk.py --quick         # smoke run
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvwarden.layers.sparse_attention import arrival_topk, select_topk
+
+
+def best_of(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def selection_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for keys in args.keys:
+        for rows in args.rows:
+            scores = (torch.randn(rows, keys, generator=g).abs() * 3).to(device)
+            k = min(args.k, keys)
+            low = scores.to(torch.bfloat16).float()
+            ranked = torch.sort(scores, dim=-1, descending=True).values
+            ranked_low = torch.sort(low, dim=-1, descending=True).values
+            row = {
+                "keys": keys,
+                "rows": rows,
+                "k": k,
+                "torch_topk_ms": 1e3 * best_of(partial(torch.topk, scores, k, dim=-1), args.repeats, sync),
+                "deterministic_ms": 1e3 * best_of(partial(select_topk, scores, k, True), args.repeats, sync),
+                "arrival_ms": 1e3 * best_of(partial(arrival_topk, low, k, rows), args.repeats, sync),
+                "ties_f32": (ranked[:, k - 1] == ranked[:, k]).float().mean().item() if k < keys else 0.0,
+                "ties_bf16": (ranked_low[:, k - 1] == ranked_low[:, k]).float().mean().item() if k < keys else 0.0,
+            }
+            if device == "cuda":
+                from kvwarden.layers.kernels.topk import topk_triton
+
+                row["triton_ms"] = 1e3 * best_of(partial(topk_triton, scores, k), args.repeats, sync)
+            out.append(row)
+    return out
+
+
+def model_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    from kvwarden import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    out = []
+    for label, model, unsafe in (
+        ("dsa (deterministic top-k)", "builtin:glm_moe_dsa-small", False),
+        ("dsa (incident's top-k)", "builtin:glm_moe_dsa-small", True),
+        ("dense attention (qwen3_moe)", "builtin:qwen3_moe-small", False),
+    ):
+        kw = {"unsafe_topk": True} if unsafe else {}
+        llm = LLM(model, device=device, enable_prefix_caching=False, max_num_batched_tokens=4096, **kw)
+        llm.score(prompt[:16])  # warm-up
+        t = time.perf_counter()
+        llm.score(prompt)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate([prompt[:64]], params)
+        decode = time.perf_counter() - t
+        out.append(
+            {
+                "model": label,
+                "prefill_tok_s": args.prompt_len / prefill,
+                "decode_tok_s": args.decode_tokens / decode,
+            }
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--keys", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--k", type=int, default=2048, help="keys selected per row (GLM-5: 2048)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--no-models", action="store_true", help="selection rows only")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
+    args = p.parse_args()
+    if args.quick:
+        args.keys, args.rows, args.k, args.repeats = [4096], [1, 16], 256, 1
+        args.prompt_len, args.decode_tokens = 128, 8
+    console = Console()
+    sel = selection_rows(args, args.device)
+    table = Table(title=f"Key selection on {args.device}: best of {args.repeats} (ms)", title_justify="left")
+    cols = ["keys", "rows", "k", "torch.topk", "deterministic", "vs topk", "arrival (bf16)", "ties f32", "ties bf16"]
+    if args.device == "cuda":
+        cols.insert(5, "triton")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in sel:
+        cells = [r["keys"], r["rows"], r["k"], f"{r['torch_topk_ms']:.2f}", f"{r['deterministic_ms']:.2f}"]
+        if args.device == "cuda":
+            cells.append(f"{r['triton_ms']:.2f}")
+        fastest = min(r["deterministic_ms"], r.get("triton_ms", float("inf")))
+        cells += [f"{r['torch_topk_ms'] / fastest:.2f}x", f"{r['arrival_ms']:.2f}"]
+        cells += [f"{r['ties_f32']:.1%}", f"{r['ties_bf16']:.1%}"]
+        table.add_row(*[str(c) for c in cells])
+    console.print(table)
+    models = [] if args.no_models else model_rows(args, args.device)
+    if models:
+        title = f"Prefill ({args.prompt_len} tokens) and batch-1 decode, canonical numerics"
+        mt = Table(title=title, title_justify="left")
+        for c in ("model", "prefill tok/s", "decode tok/s"):
+            mt.add_column(c, justify="right")
+        for r in models:
+            mt.add_row(r["model"], f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}")
+        console.print(mt)
+    print(json.dumps({"bench": "topk", "device": args.device, "selection": sel, "models": models}))
+
+
+if __name__ == "__main__":
+    main()

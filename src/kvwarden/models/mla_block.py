@@ -1,0 +1,150 @@
+"""GLM-5's attention: multi-head latent attention with a lightning indexer (DeepSeek Sparse Attention).
+
+Per token the cache keeps one latent row ``[c | k_rope]`` (``kv_lora_rank`` normalised latent, then the
+``qk_rope_head_dim`` rotated key shared by every head) in the layer's K tensor, and the indexer's key in
+its V tensor - the same blocks, so a prefix hit, a host-tier load or a transfer always moves both caches
+together. A query's keys are never expanded per head: ``q_nope`` is turned into latent space with
+``kv_b_proj``'s key half (``W_uk``) and the attention's latent output back with its value half (``W_uv``),
+as production MLA kernels do; transformers expands every key instead (the same product, summed in
+another order: agreement is within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwarden.layers.attention import SeqAttn
+from kvwarden.layers.numerics import Ops
+from kvwarden.layers.rotary import RotaryEmbedding
+from kvwarden.layers.sparse_attention import (
+    index_scores,
+    latent_attention,
+    rope_half_split,
+    rope_interleaved,
+    select_keys,
+)
+from kvwarden.models.common import ForwardBatch, WeightGetter, require
+from kvwarden.models.config import MlaConfig, ModelConfig
+
+# transformers builds the q / kv latent norms and the indexer's key LayerNorm with their own epsilon
+LATENT_EPS = 1e-6
+
+
+class Indexer:
+    """The lightning indexer: which ``index_topk`` cached keys each query attends to."""
+
+    def __init__(self, mla: MlaConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+        self.mla, self.ops = mla, ops
+        self.wq = require(get, f"{prefix}.wq_b.weight")
+        self.wk = require(get, f"{prefix}.wk.weight")
+        self.k_norm = require(get, f"{prefix}.k_norm.weight"), require(get, f"{prefix}.k_norm.bias")
+        # computed in float32 whatever the model dtype, as transformers keeps it
+        self.w_heads = require(get, f"{prefix}.weights_proj.weight").float()
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``[rows, index_head_dim]``: the rows' indexer keys (LayerNorm, rope on the leading slice)."""
+        w, b = self.k_norm
+        k = self.ops.rows(
+            lambda t: torch.nn.functional.layer_norm(t, (t.shape[-1],), w, b, LATENT_EPS), self.ops.linear(x, self.wk)
+        )
+        return self._rope(k.unsqueeze(1), cos, sin).squeeze(1)
+
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [rows, H, D]`` float32 with rope, ``weights [rows, H]`` float32)."""
+        mla, ops = self.mla, self.ops
+        q = ops.linear(q_latent, self.wq).view(-1, mla.index_n_heads, mla.index_head_dim)
+        weights = ops.linear(x.float(), self.w_heads) * mla.index_n_heads**-0.5
+        return self._rope(q, cos, sin).float(), weights
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        d = self.mla.qk_rope_head_dim  # the indexer turns its leading slice (the attention its trailing one)
+        turn = rope_interleaved if self.mla.indexer_interleaved else rope_half_split
+        return torch.cat([turn(x[..., :d], cos, sin), x[..., d:]], dim=-1)
+
+
+class MlaBlock:
+    """q / kv low-rank projections, the indexer (or the previous full layer's selection), sparse latent
+    attention, output projection."""
+
+    def __init__(
+        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, rope: RotaryEmbedding | None, index: int
+    ) -> None:
+        assert cfg.mla is not None and rope is not None
+        if ops.batched_recurrent:  # the GPU backends (CUDA, or the Triton kernels under the interpreter)
+            raise ValueError(
+                f"{cfg.architecture}: sparse attention (DSA) runs on the CPU backends only so far; "
+                "use device='cpu' with kernels='auto'"
+            )
+        mla = self.mla = cfg.mla
+        self.ops, self.rope, self.heads = ops, rope, cfg.num_attention_heads
+        self.wq_a = require(get, f"{prefix}.q_a_proj.weight")
+        self.q_norm = require(get, f"{prefix}.q_a_layernorm.weight")
+        self.wq_b = require(get, f"{prefix}.q_b_proj.weight")
+        self.wkv_a = require(get, f"{prefix}.kv_a_proj_with_mqa.weight")
+        self.kv_norm = require(get, f"{prefix}.kv_a_layernorm.weight")
+        kv_b = require(get, f"{prefix}.kv_b_proj.weight").view(
+            self.heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank
+        )
+        # Per head: W_uk^T [r, nope] turns q_nope into latent space, W_uv [v, r] turns the latent output back;
+        # both as linear() weights (x @ W.T), contiguous so that their shapes alone pick the GEMM's tiles.
+        self.w_uk = [kv_b[h, : mla.qk_nope_head_dim].t().contiguous() for h in range(self.heads)]
+        self.w_uv = [kv_b[h, mla.qk_nope_head_dim :].contiguous() for h in range(self.heads)]
+        self.wo = require(get, f"{prefix}.o_proj.weight")
+        self.indexer = Indexer(mla, get, f"{prefix}.indexer", ops) if mla.indexer_full[index] else None
+        self.scale = mla.softmax_scale
+        # the seed incident's selection: vendor-style numerics, or asked for (testing only)
+        self.arrival_order = ops.name != "canonical" or ops.config.unsafe_topk
+        self.name = "attn"
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        mla, ops, rows = self.mla, self.ops, x.shape[0]
+        half = mla.qk_rope_head_dim // 2
+        cos, sin = self.rope.cos[batch.positions, :half], self.rope.sin[batch.positions, :half]
+        q_latent = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, LATENT_EPS)
+        q = ops.linear(q_latent, self.wq_b).view(rows, self.heads, -1)
+        q_nope, q_rope = q[..., : mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim :]
+        ckv = ops.linear(x, self.wkv_a)
+        c = ops.rms_norm(ckv[:, : mla.kv_lora_rank].contiguous(), self.kv_norm, LATENT_EPS)
+        k_rope = rope_interleaved(ckv[:, None, mla.kv_lora_rank :], cos, sin)[:, 0]
+        latent_cache, index_cache = kv
+        latent_cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_rope], -1).unsqueeze(1).to(latent_cache.dtype))
+        batch.trace(f"{self.name}.latent", c)
+        if self.indexer is not None:
+            k_index = self.indexer.keys(x, cos, sin)
+            index_cache.index_copy_(0, batch.slot_mapping, k_index.unsqueeze(1).to(index_cache.dtype))
+            q_index, weights = self.indexer.queries(x, q_latent, cos, sin)
+            batch.dsa_selection = [self._select(q_index, weights, index_cache, seq, rows) for seq in batch.plan.seqs]
+        if batch.dsa_selection is None:
+            raise RuntimeError("a shared DSA layer needs an earlier full layer's selection in the step")
+        # q in latent space: [q_nope @ W_uk | rotated q_rope] per head
+        q_abs = torch.stack([ops.linear(q_nope[:, h].contiguous(), self.w_uk[h]) for h in range(self.heads)], 1)
+        q_full = torch.cat([q_abs, rope_interleaved(q_rope, cos, sin)], -1).float()
+        o_latent = q_full.new_empty((rows, self.heads, mla.kv_lora_rank))
+        for seq, (slots, visible) in zip(batch.plan.seqs, batch.dsa_selection, strict=True):
+            lo, hi = seq.row_start, seq.row_start + seq.num_queries
+            keys = latent_cache[slots.reshape(-1), 0].float().view(*slots.shape, -1)
+            o_latent[lo:hi] = latent_attention(q_full[lo:hi], keys, visible, mla.kv_lora_rank, self.scale, ops.exp)
+        o_latent = o_latent.to(x.dtype)
+        o = torch.cat([ops.linear(o_latent[:, h].contiguous(), self.w_uv[h]) for h in range(self.heads)], -1)
+        batch.trace(f"{self.name}.core", o)
+        return ops.linear(o, self.wo)
+
+    def _select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        seq: SeqAttn,
+        step_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's selection: ``(cache slots [T, k], visible [T, k])``; ``step_rows`` (the step's
+        shape) matters only to the incident's arrival order."""
+        ctx = seq.start_pos + seq.num_queries
+        keys = index_cache[seq.slots[:ctx].to(index_cache.device), 0].float()
+        rows = slice(seq.row_start, seq.row_start + seq.num_queries)
+        scores = index_scores(q[rows], keys, weights[rows], self.mla.index_head_dim**-0.5, seq.start_pos)
+        arrival = step_rows if self.arrival_order else None
+        positions, visible = select_keys(scores, self.mla.index_topk, arrival)
+        return seq.slots[positions], visible
