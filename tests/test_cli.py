@@ -92,7 +92,7 @@ def test_bad_flag_values_name_the_flag() -> None:
     # the program names its command (a command's own --command flag once overwrote the name: "kvwarden None")
     done = _run("probe", "--scenario", "contamnation", "--launcher", "kvwarden", "--model", "builtin:llama-tiny")
     assert done.returncode == 2 and done.stderr.startswith("kvwarden probe: error: --scenario"), done.stderr
-    assert "did you mean 'contamination'" in done.stderr and "batch, budget, spec, repeat" in done.stderr
+    assert "did you mean 'contamination'" in done.stderr and "batch, budget, spec, topk, repeat" in done.stderr
     done = _run("probe", "--repeats", "1", "--launcher", "kvwarden", "--model", "builtin:llama-tiny")
     assert done.returncode == 2 and "kvwarden probe: error: --repeats must be >= 2" in done.stderr, done.stderr
 
