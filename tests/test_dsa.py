@@ -148,11 +148,6 @@ def test_bfloat16_scores_tie_where_float32_scores_do_not() -> None:
     assert ties[torch.float32] == 0.0 and ties[torch.bfloat16] > 0.01
 
 
-def test_the_gpu_kernels_refuse_it_at_load(glm_tiny: Path) -> None:
-    with pytest.raises(ValueError, match=r"GlmMoeDsaForCausalLM: sparse attention \(DSA\) runs on the CPU"):
-        LLM(str(glm_tiny), device="cpu", kernels="triton")
-
-
 @pytest.mark.parametrize(
     ("edit", "field"),
     [

@@ -73,9 +73,10 @@ def test_family_keeps_every_invariance_property(family_tiny: Path) -> None:
     assert report.all_identical, report.failures()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama3", "qwen3_moe", "glm_moe_dsa"])
 def test_family_on_the_triton_kernels(family: str, models_root: Path) -> None:
-    """The GPU kernels (under the interpreter) on GQA ratios 3 and 5, a head size of 80 and routed experts:
+    """The GPU kernels (under the interpreter) on GQA ratios 3 and 5, a head size of 80, routed experts and
+    sparse attention (the indexer's scores, the rank-counting top-k, latent attention over the selection):
     agreement with transformers at every prompt position, and the cache properties bitwise."""
     model = _made(models_root, family, "tiny")
     prompt = _prompts(1, 4)[0]

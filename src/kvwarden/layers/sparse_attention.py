@@ -148,7 +148,8 @@ def index_scores(
     total = weights[:, 0:1] * per_head[:, 0]
     for i in range(1, h):  # NOTE(invariance): heads folded in a fixed order, element by element
         total = total + weights[:, i : i + 1] * per_head[:, i]
-    future = torch.arange(n).view(1, n) > (first_pos + torch.arange(t)).view(t, 1)
+    dev = total.device
+    future = torch.arange(n, device=dev).view(1, n) > (first_pos + torch.arange(t, device=dev)).view(t, 1)
     return total.masked_fill_(future, NEG_INF)
 
 

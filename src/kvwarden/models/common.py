@@ -53,8 +53,8 @@ class ForwardBatch:
         recurrent: the batched recurrent kernels' addressing (GPU backends), else None (per-request walk).
         token_states: in a verify graph, each recurrent layer appends ``(conv inputs, scan states)`` of
             every token (:func:`kvwarden.models.recurrent_batched.keep_token_states`); else None.
-        dsa_selection: sparse attention's ``(cache slots, visible)`` per request from the step's last full
-            indexer layer (``models/mla_block.py``); the layers that share it read it.
+        dsa_selection: sparse attention's ``(cache slots [rows, k], visible [rows, k])`` from the step's last
+            full indexer layer (``models/mla_block.py``); the layers that share it read it.
     """
 
     input_ids: torch.Tensor
@@ -68,8 +68,8 @@ class ForwardBatch:
     tracer: TraceSink | None = None
     recurrent: RecurrentMeta | None = None
     token_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    # DSA (GLM-5): the last full indexer layer's selection per request, read by the shared layers after it
-    dsa_selection: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # DSA (GLM-5): the last full indexer layer's selection, read by the shared layers after it
+    dsa_selection: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def trace(self, name: str, rows: torch.Tensor) -> None:
         if self.tracer is not None:

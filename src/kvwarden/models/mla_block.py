@@ -17,6 +17,7 @@ from kvwarden.layers.attention import SeqAttn
 from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 from kvwarden.layers.sparse_attention import (
+    arrival_topk,
     index_scores,
     latent_attention,
     rope_half_split,
@@ -43,11 +44,21 @@ class Indexer:
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``[rows, index_head_dim]``: the rows' indexer keys (LayerNorm, rope on the leading slice)."""
-        w, b = self.k_norm
-        k = self.ops.rows(
-            lambda t: torch.nn.functional.layer_norm(t, (t.shape[-1],), w, b, LATENT_EPS), self.ops.linear(x, self.wk)
-        )
+        k = self._layer_norm(self.ops.linear(x, self.wk))
         return self._rope(k.unsqueeze(1), cos, sin).squeeze(1)
+
+    def _layer_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm (weight and bias) in float32, from the backend's row sums.
+
+        NOTE(invariance): two row sums (the numerics' own, invariant on every backend) and IEEE
+        element-wise arithmetic; a backend without generic row ops (Triton) runs the same steps.
+        """
+        w, b = self.k_norm
+        xf = x.float()
+        n = x.shape[-1]
+        diff = xf - self.ops.sum_rows(xf) / n
+        var = self.ops.sum_rows(diff * diff) / n
+        return (diff * (1.0 / torch.sqrt(var + LATENT_EPS)) * w.float() + b.float()).to(x.dtype)
 
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -72,11 +83,6 @@ class MlaBlock:
         self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, rope: RotaryEmbedding | None, index: int
     ) -> None:
         assert cfg.mla is not None and rope is not None
-        if ops.batched_recurrent:  # the GPU backends (CUDA, or the Triton kernels under the interpreter)
-            raise ValueError(
-                f"{cfg.architecture}: sparse attention (DSA) runs on the CPU backends only so far; "
-                "use device='cpu' with kernels='auto'"
-            )
         mla = self.mla = cfg.mla
         self.ops, self.rope, self.heads = ops, rope, cfg.num_attention_heads
         self.wq_a = require(get, f"{prefix}.q_a_proj.weight")
@@ -96,6 +102,12 @@ class MlaBlock:
         self.scale = mla.softmax_scale
         # the seed incident's selection: vendor-style numerics, or asked for (testing only)
         self.arrival_order = ops.name != "canonical" or ops.config.unsafe_topk
+        # canonical numerics on the Triton backend: the kernels of layers/kernels/{sparse,topk}.py
+        self.kernels = None
+        if hasattr(ops, "k_attention"):
+            from kvwarden.layers.kernels import sparse, topk
+
+            self.kernels = (sparse, topk)
         self.name = "attn"
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -115,17 +127,23 @@ class MlaBlock:
             k_index = self.indexer.keys(x, cos, sin)
             index_cache.index_copy_(0, batch.slot_mapping, k_index.unsqueeze(1).to(index_cache.dtype))
             q_index, weights = self.indexer.queries(x, q_latent, cos, sin)
-            batch.dsa_selection = [self._select(q_index, weights, index_cache, seq, rows) for seq in batch.plan.seqs]
+            if self.kernels is not None:
+                batch.dsa_selection = self._select_on_device(q_index, weights, index_cache, batch)
+            else:
+                chosen = [self._select(q_index, weights, index_cache, seq, rows) for seq in batch.plan.seqs]
+                batch.dsa_selection = (torch.cat([s for s, _ in chosen]), torch.cat([v for _, v in chosen]))
         if batch.dsa_selection is None:
             raise RuntimeError("a shared DSA layer needs an earlier full layer's selection in the step")
+        slots, visible = batch.dsa_selection
         # q in latent space: [q_nope @ W_uk | rotated q_rope] per head
         q_abs = torch.stack([ops.linear(q_nope[:, h].contiguous(), self.w_uk[h]) for h in range(self.heads)], 1)
         q_full = torch.cat([q_abs, rope_interleaved(q_rope, cos, sin)], -1).float()
-        o_latent = q_full.new_empty((rows, self.heads, mla.kv_lora_rank))
-        for seq, (slots, visible) in zip(batch.plan.seqs, batch.dsa_selection, strict=True):
-            lo, hi = seq.row_start, seq.row_start + seq.num_queries
+        if self.kernels is not None:
+            latent = latent_cache.view(latent_cache.shape[0], -1)
+            o_latent = self.kernels[0].latent_attention(q_full, latent, slots, visible, mla.kv_lora_rank, self.scale)
+        else:  # NOTE(invariance): one bmm batched over every query of the step (the batch count is free)
             keys = latent_cache[slots.reshape(-1), 0].float().view(*slots.shape, -1)
-            o_latent[lo:hi] = latent_attention(q_full[lo:hi], keys, visible, mla.kv_lora_rank, self.scale, ops.exp)
+            o_latent = latent_attention(q_full, keys, visible, mla.kv_lora_rank, self.scale, ops.exp)
         o_latent = o_latent.to(x.dtype)
         o = torch.cat([ops.linear(o_latent[:, h].contiguous(), self.w_uv[h]) for h in range(self.heads)], -1)
         batch.trace(f"{self.name}.core", o)
@@ -147,4 +165,33 @@ class MlaBlock:
         scores = index_scores(q[rows], keys, weights[rows], self.mla.index_head_dim**-0.5, seq.start_pos)
         arrival = step_rows if self.arrival_order else None
         positions, visible = select_keys(scores, self.mla.index_topk, arrival)
-        return seq.slots[positions], visible
+        return seq.slots.to(positions.device)[positions], visible
+
+    def _select_on_device(
+        self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query's selection in two launches (scores, then the rank-counting top-k)."""
+        assert self.kernels is not None
+        sparse, topk = self.kernels
+        seqs, dev, k = batch.plan.seqs, q.device, self.mla.index_topk
+        width = max(s.start_pos + s.num_queries for s in seqs)
+        table = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            table[i, : s.start_pos + s.num_queries] = s.slots[: s.start_pos + s.num_queries]
+        req = torch.repeat_interleave(
+            torch.arange(len(seqs), dtype=torch.int32), torch.tensor([s.num_queries for s in seqs])
+        )
+        table, req = table.to(dev), req.to(dev)
+        scale = self.mla.index_head_dim**-0.5
+        scores = sparse.index_scores(
+            q, weights, index_cache.view(index_cache.shape[0], -1), table, req, batch.positions.to(torch.int32), scale
+        )
+        if width < k:
+            scores = torch.cat([scores, scores.new_full((scores.shape[0], k - width), float("-inf"))], dim=1)
+        if self.arrival_order:
+            values, positions = arrival_topk(scores.to(torch.bfloat16).float(), k, scores.shape[0])
+        else:
+            values, positions = topk.topk_triton(scores, k)
+        visible = values > float("-inf")
+        positions = torch.where(visible, positions, torch.zeros_like(positions))
+        return table[req.long()].gather(1, positions), visible

@@ -68,8 +68,9 @@ class SparseMoE:
         self.moe, self.ops = cfg.moe, ops
         self.topk_first = cfg.moe.routing == "topk_softmax"
         self.grouped = cfg.moe.routing == "sigmoid_group"
-        if self.grouped and ops.device_moe:
-            raise ValueError(f"{cfg.architecture}: group-limited MoE routing runs on the CPU backends only")
+        # group-limited routing has no device kernel yet: such a model walks its experts on the host
+        # everywhere (the same row-tiled GEMMs, so the same invariance)
+        self.on_device = ops.device_moe and not self.grouped
         self.shared_gate: torch.Tensor | None = None
         self.shared: MLP | GraniteMLP | None = None
         self.score_bias: torch.Tensor | None = None
@@ -99,7 +100,7 @@ class SparseMoE:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops, k = self.ops, self.moe.top_k
-        if ops.device_moe:  # one kernel routes, one sort and one kernel dispatch, two run the experts
+        if self.on_device:  # one kernel routes, one sort and one kernel dispatch, two run the experts
             weights, chosen = ops.moe_route(  # type: ignore[attr-defined]
                 ops.linear(h, self.router), k, self.moe.norm_topk_prob, h.dtype, self.topk_first
             )
@@ -109,7 +110,7 @@ class SparseMoE:
             per_rank = self._experts(h, weights, chosen)
         shared = self.shared(h) if self.shared is not None else None
         gate = ops.linear(h, self.shared_gate) if shared is not None and self.shared_gate is not None else None
-        if ops.device_moe:
+        if self.on_device:
             return ops.moe_combine(per_rank, shared, gate)  # type: ignore[attr-defined]
         combined = per_rank[:, 0]
         for r in range(1, k):

@@ -1,8 +1,7 @@
 """Sparse attention's GPU kernels (GLM-5 / DeepSeek-V3.2): the indexer's scores over the paged indexer
 cache, and latent attention over each query's selected cache rows. The selection between them is
-``kernels/topk.py``. Not yet wired into the engine: the model runs on the CPU backends
-(``layers/sparse_attention.py`` is its reference and its CPU path); these kernels are tested under the
-interpreter against that reference.
+``kernels/topk.py``; ``models/mla_block.py`` calls all three on the Triton backend, and
+``layers/sparse_attention.py`` (the CPU path) is their reference in the tests.
 
 NOTE(invariance), by construction:
 
