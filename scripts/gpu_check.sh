@@ -19,9 +19,11 @@
 #   scripts/gpu_check.sh full smollm2                 # the real SmolLM2 GGUF (parts carried by scripts/gpu_carry.sh)
 #   scripts/gpu_check.sh full mtptrain                # train qwen3_next-small on the bundled text, fit MTP, k=2 vs off
 #   scripts/gpu_check.sh full families specprofile    # the families' agreement/invariance/truth; a spec step's phases
+#   scripts/gpu_check.sh full dsa                     # sparse attention (GLM-5, DeepSeek-V3.2): kernels, agreement,
+#                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
 # Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd,
-# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite
+# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -248,6 +250,30 @@ if want diag; then  # which side is off when the engines disagree: both on the C
   stage "reference diagnosis: transformers and kvwarden, CPU and GPU, float32 (${DIAG_MODELS:-builtin:granite_hybrid_moe-small})"
   DM=(); for M in ${DIAG_MODELS:-builtin:granite_hybrid_moe-small builtin:granite_hybrid-small}; do DM+=(--model "$M"); done
   timeout "${DIAG_TIMEOUT:-180}" python3 bench/diag_reference.py "${DM[@]}" 2>&1 | tee "$OUT/diag.log" | grep -v -e '^{' -e Loading -e falling | tail -n 30
+fi
+
+if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa / DeepseekV32: the carried wheel is the reference
+  DSA=(--model builtin:glm_moe_dsa-small --model builtin:deepseek_v32-small)
+  stage "sparse attention kernels compiled (indexer scores, latent attention, top-k)"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_dsa_kernels.py tests/test_topk.py \
+    2>&1 | tee "$OUT/dsa-tests.log" | tail -n 5
+  record "DSA kernel tests" "$(tail -n 1 "$OUT/dsa-tests.log")"
+  for DT in float32 bfloat16; do
+    stage "sparse attention against the carried transformers, $DT"
+    with_reference timeout 200 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical "${DSA[@]}" \
+      2>&1 | tee "$OUT/dsa-agreement-$DT.log" | grep '^|'
+    tail -n 1 "$OUT/dsa-agreement-$DT.log" > "$OUT/dsa-agreement-$DT.json"
+    record "DSA agreement $DT (equal, prompts, median)" "$(python3 -c "import json; d=json.load(open('$OUT/dsa-agreement-$DT.json'))['models']; print({m.split(':')[-1].split(' ')[0]: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for m, s in d.items()})" 2>&1 | tail -n 1)"
+  done
+  stage "sparse attention invariance (a)-(j), canonical, bfloat16"
+  timeout 240 python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 "${DSA[@]}" \
+    2>&1 | tee "$OUT/dsa-invariance.log" | grep -v '^{' | tail -n 8
+  tail -n 1 "$OUT/dsa-invariance.log" > "$OUT/dsa-invariance.json"
+  record "DSA invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/dsa-invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
+  stage "key selection vs torch.topk (8K-64K keys), DSA prefill/decode"
+  timeout 240 python3 bench/topk.py --device cuda --rows 1 16 2>&1 | tee "$OUT/topk.log" | grep -v '^{' | tail -n 32
+  tail -n 1 "$OUT/topk.log" > "$OUT/topk.json"
+  record "top-k: torch.topk / triton at 8K-64K keys" "$(python3 -c "import json; d=json.load(open('$OUT/topk.json'))['selection']; print([round(r['torch_topk_ms'] / r['triton_ms'], 2) for r in d if r['keys'] >= 8192])" 2>&1 | tail -n 1)"
 fi
 
 if want granite; then  # GraniteMoeHybrid with n_groups > 1 needs transformers >= 5.23 as the reference
