@@ -125,11 +125,11 @@ class RotaryEmbedding:
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         if self.rotary_dim == self.head_dim:
-            return x * cos + _rotate_half(x) * sin
+            return x * cos + rotate_half(x) * sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

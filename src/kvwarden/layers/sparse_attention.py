@@ -37,8 +37,10 @@ from collections.abc import Callable
 import torch
 
 from kvwarden.intmath import round_up
+from kvwarden.layers.rotary import rotate_half
 
 NEG_INF = float("-inf")
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 KEY_TILE = 64  # index-score GEMMs see a key count rounded up to this (zero keys, dropped)
 
 
@@ -116,8 +118,7 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     ``cos`` / ``sin``: ``[rows, m]``, one per frequency."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def index_scores(
@@ -153,17 +154,20 @@ def index_scores(
     return total.masked_fill_(future, NEG_INF)
 
 
-def select_keys(scores: torch.Tensor, k: int, arrival: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_keys(
+    scores: torch.Tensor, k: int, arrival: int | None = None, topk: TopK | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions [T, k], visible [T, k])``: each query's ``k`` selected key positions in rank order;
     a query that sees fewer than ``k`` keys gets ``-inf`` candidates (``visible`` false) after them.
 
-    ``arrival``: None selects deterministically; an int re-creates the incident (:func:`arrival_topk` on
-    bfloat16-rounded scores, arriving as that int says)."""
+    ``arrival``: None selects deterministically (``topk``: a function with :func:`select_topk`'s total
+    order, by default that one; the GPU passes ``kernels/topk.py``'s); an int re-creates the incident
+    (:func:`arrival_topk` on bfloat16-rounded scores, arriving as that int says)."""
     t, n = scores.shape
     if n < k:
         scores = torch.cat([scores, scores.new_full((t, k - n), NEG_INF)], dim=1)
     if arrival is None:
-        values, positions = select_topk(scores, k, deterministic=True)
+        values, positions = topk(scores, k) if topk is not None else select_topk(scores, k, deterministic=True)
     else:
         values, positions = arrival_topk(scores.to(torch.bfloat16).float(), k, arrival)
     visible = values > NEG_INF

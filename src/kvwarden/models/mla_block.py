@@ -17,7 +17,6 @@ from kvwarden.layers.attention import SeqAttn
 from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 from kvwarden.layers.sparse_attention import (
-    arrival_topk,
     index_scores,
     latent_attention,
     rope_half_split,
@@ -186,12 +185,6 @@ class MlaBlock:
         scores = sparse.index_scores(
             q, weights, index_cache.view(index_cache.shape[0], -1), table, req, batch.positions.to(torch.int32), scale
         )
-        if width < k:
-            scores = torch.cat([scores, scores.new_full((scores.shape[0], k - width), float("-inf"))], dim=1)
-        if self.arrival_order:
-            values, positions = arrival_topk(scores.to(torch.bfloat16).float(), k, scores.shape[0])
-        else:
-            values, positions = topk.topk_triton(scores, k)
-        visible = values > float("-inf")
-        positions = torch.where(visible, positions, torch.zeros_like(positions))
+        arrival = scores.shape[0] if self.arrival_order else None
+        positions, visible = select_keys(scores, k, arrival, topk.topk_triton)
         return table[req.long()].gather(1, positions), visible
