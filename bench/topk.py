@@ -7,12 +7,15 @@ deterministic path is the stable sort (``layers/sparse_attention.py``); on a GPU
 (``layers/kernels/topk.py``). The tie column: rows whose ``k``-th and next score are equal, in float32 and
 after rounding to bfloat16 - the ties the incident needs.
 
-Model rows: prefill tokens/s of one prompt and greedy decode tokens/s at batch 1 for
-``builtin:glm_moe_dsa-small`` and ``builtin:qwen3_moe-small`` (canonical numerics), and the DSA model with
-the incident's selection (``unsafe_topk``).
+Model rows: prefill tokens/s of one prompt and greedy decode tokens/s at batch 1 for the DSA model
+(``--dsa-model``, default ``builtin:glm_moe_dsa-small``) with the deterministic selection and with the
+incident's (``unsafe_topk``), beside a dense-attention model (``--dense-model``, default
+``builtin:qwen3_moe-small``), canonical numerics.
 
     python bench/topk.py                 # CPU, 4K-64K keys, 1-256 rows
     python bench/topk.py --quick         # smoke run
+    python bench/topk.py --device cuda --dsa-model builtin:glm_moe_dsa-0.6b \
+        --dense-model builtin:qwen3-0.6b --prompt-len 4096     # GPU figures at GLM-5's top-k of 2,048
 
 Ends with one JSON line.
 """
@@ -80,26 +83,33 @@ def model_rows(args: argparse.Namespace, device: str) -> list[dict]:
     rng = random.Random(0)
     prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = []
     for label, model, unsafe in (
-        ("dsa (deterministic top-k)", "builtin:glm_moe_dsa-small", False),
-        ("dsa (incident's top-k)", "builtin:glm_moe_dsa-small", True),
-        ("dense attention (qwen3_moe)", "builtin:qwen3_moe-small", False),
+        (f"{args.dsa_model} (deterministic top-k)", args.dsa_model, False),
+        (f"{args.dsa_model} (incident's top-k)", args.dsa_model, True),
+        (f"{args.dense_model} (dense attention)", args.dense_model, False),
     ):
         kw = {"unsafe_topk": True} if unsafe else {}
-        llm = LLM(model, device=device, enable_prefix_caching=False, max_num_batched_tokens=4096, **kw)
+        llm = LLM(
+            model, device=device, enable_prefix_caching=False, max_num_batched_tokens=max(4096, args.prompt_len), **kw
+        )
         llm.score(prompt[:16])  # warm-up
         t = time.perf_counter()
         llm.score(prompt)
         prefill = time.perf_counter() - t
+        # decode over the whole prompt (where the selection prunes): a long generation less a one-token one
         t = time.perf_counter()
-        llm.generate([prompt[:64]], params)
-        decode = time.perf_counter() - t
+        llm.generate([prompt], one)
+        t1 = time.perf_counter()
+        llm.generate([prompt], params)
+        decode = (time.perf_counter() - t1) - (t1 - t)
+        del llm  # its cache pool goes back before the next engine sizes its own
         out.append(
             {
                 "model": label,
                 "prefill_tok_s": args.prompt_len / prefill,
-                "decode_tok_s": args.decode_tokens / decode,
+                "decode_tok_s": (args.decode_tokens - 1) / decode,
             }
         )
     return out
@@ -114,6 +124,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--dsa-model", default="builtin:glm_moe_dsa-small")
+    p.add_argument("--dense-model", default="builtin:qwen3_moe-small")
     p.add_argument("--no-models", action="store_true", help="selection rows only")
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = p.parse_args()
@@ -137,9 +149,11 @@ def main() -> None:
         cells += [f"{r['ties_f32']:.1%}", f"{r['ties_bf16']:.1%}"]
         table.add_row(*[str(c) for c in cells])
     console.print(table)
+    if args.device == "cuda":  # the selection rows' buffers back to the driver before engines size their pools
+        torch.cuda.empty_cache()
     models = [] if args.no_models else model_rows(args, args.device)
     if models:
-        title = f"Prefill ({args.prompt_len} tokens) and batch-1 decode, canonical numerics"
+        title = f"Prefill ({args.prompt_len} tokens) and batch-1 decode after it, canonical numerics"
         mt = Table(title=title, title_justify="left")
         for c in ("model", "prefill tok/s", "decode tok/s"):
             mt.add_column(c, justify="right")

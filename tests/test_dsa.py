@@ -205,3 +205,17 @@ def test_both_caches_travel_through_the_host_tier(glm_tiny: Path) -> None:
         same[unsafe] = out.logprobs == cold
         llm.engine.check_integrity()
     assert same == {False: True, True: False}
+
+
+def test_the_gpu_preset_has_glm5s_attention_shape_and_others_refuse_it() -> None:
+    from kvwarden.models.config import ModelConfig
+    from kvwarden.models.family_presets import family_config
+
+    for arch in ("glm_moe_dsa", "deepseek_v32"):
+        cfg = ModelConfig.from_dict(family_config(arch, "0.6b", 151936, 2, 1))
+        mla = cfg.mla
+        assert mla is not None and cfg.vocab_size == 151936
+        assert (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim) == (512, 64, 192, 256)
+        assert (mla.index_n_heads, mla.index_head_dim, mla.index_topk) == (32, 128, 2048)
+    with pytest.raises(ValueError, match=r"--preset: qwen2 has the presets tiny, small, not '0.6b'"):
+        family_config("qwen2", "0.6b", 1024, 2, 1)

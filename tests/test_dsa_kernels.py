@@ -1,6 +1,7 @@
 """Sparse attention's Triton kernels (``layers/kernels/sparse.py``) under the interpreter: the indexer's
 scores and the latent attention against the CPU reference (``layers/sparse_attention.py``), and a query's
-result the same bits alone, in a batch, or over a longer slot table."""
+result the same bits alone, in a batch, or over a longer slot table. Compiled on a GPU (inputs drawn on the CPU
+from explicit generators, then moved)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import torch
 
 from kvwarden.layers import sparse_attention as ref
 from kvwarden.layers.kernels import sparse
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
 
 
 def _cache(g: torch.Generator, slots: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,13 +30,14 @@ def test_index_scores_kernel_matches_the_reference_and_is_invariant() -> None:
     start = ctx - t  # the chunk's queries are the context's last t positions
     table = order[:ctx].view(1, ctx)
     req, pos = torch.zeros(t, dtype=torch.int32), torch.arange(start, ctx, dtype=torch.int32)
+    want = ref.index_scores(q, keys[order[:ctx]], w, d**-0.5, start).to(DEVICE)
+    q, w, keys, table, req, pos = _on(q, w, keys, table, req, pos)
     got = sparse.index_scores(q, w, keys, table, req, pos, d**-0.5)
-    want = ref.index_scores(q, keys[order[:ctx]], w, d**-0.5, start)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     assert (got[finite] - want[finite]).abs().max().item() < 1e-5
     # alone, and over a slot table padded past the context: the same bits
-    wide = torch.cat([table, torch.zeros((1, 29), dtype=table.dtype)], dim=1)
+    wide = torch.cat([table, torch.zeros((1, 29), dtype=table.dtype, device=DEVICE)], dim=1)
     for i in (0, 7, 11):
         alone = sparse.index_scores(q[i : i + 1], w[i : i + 1], keys, wide, req[i : i + 1], pos[i : i + 1], d**-0.5)
         assert torch.equal(alone[0, :ctx], got[i])
@@ -45,8 +53,9 @@ def test_latent_attention_kernel_matches_the_reference_and_is_invariant() -> Non
     visible = torch.ones(t, k, dtype=torch.bool)
     visible[0, 10:] = False  # a short context: the rest are fill
     visible[3, 33:] = False
+    want = ref.latent_attention(q, latent[selected], visible, r, 0.2, torch.exp).to(DEVICE)
+    q, latent, selected, visible = _on(q, latent, selected, visible)
     got = sparse.latent_attention(q, latent, selected, visible, r, 0.2)
-    want = ref.latent_attention(q, latent[selected], visible, r, 0.2, torch.exp)
     assert (got - want).abs().max().item() < 1e-5
     for i in range(t):
         alone = sparse.latent_attention(q[i : i + 1], latent, selected[i : i + 1], visible[i : i + 1], r, 0.2)

@@ -26,7 +26,10 @@ def scores(seed: int, rows: int, n: int, dtype: torch.dtype, levels: int | None 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "k", "levels"), [(300, 17, None), (257, 64, 5), (64, 64, 3), (130, 1, 2), (9, 0, None)])
+@pytest.mark.parametrize(
+    ("n", "k", "levels"),
+    [(300, 17, None), (257, 64, 5), (64, 64, 3), (130, 1, 2), (9, 0, None), (9000, 100, None)],
+)
 def test_triton_top_k_equals_the_stable_order(dtype: torch.dtype, n: int, k: int, levels: int | None) -> None:
     s = scores(n + k, 5, n, dtype, levels)
     val, idx = topk_triton(s, k)
@@ -39,6 +42,31 @@ def test_triton_top_k_equals_the_stable_order(dtype: torch.dtype, n: int, k: int
         # rank order: scores never rise; equal scores come in increasing column order
         pairs = list(zip(val[0].tolist(), idx[0].tolist(), strict=True))
         assert pairs == sorted(pairs, key=lambda p: (-p[0], p[1]))
+
+
+def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks() -> None:
+    # 9,000 columns span three of the kernel's loop blocks; 20 scores above the threshold, 40 at it
+    # (10 in the first block, 30 later): k = 50 takes the first 30 of the 40 in column order
+    g = torch.Generator().manual_seed(3)
+    s = -1.0 - torch.rand(1, 9000, generator=g)
+    first, later = torch.randperm(4096, generator=g), 4096 + torch.randperm(4904, generator=g)
+    tied = torch.cat([first[:10], later[:30]])
+    high = torch.cat([first[10:20], later[30:40]])
+    s[0, high] = torch.rand(20, generator=g) + 1.0
+    s[0, tied] = 0.5
+    s = s.to(DEVICE)
+    val, idx = topk_triton(s, 50)
+    ref_val, ref_idx = topk_reference(s, 50)
+    assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(val.cpu(), ref_val.cpu())
+    assert idx[0, 20:].tolist() == sorted(tied.tolist())[:30]
+
+
+def test_signed_zeros_and_infinities_keep_the_order() -> None:
+    # -0.0 and 0.0 are one score (ties by column); -inf ranks last, +inf first
+    s = torch.tensor([[0.0, -0.0, 1.0, float("-inf"), -0.0, float("inf"), -1.0, 0.0]], device=DEVICE)
+    val, idx = topk_triton(s, 8)
+    assert idx[0].tolist() == [5, 2, 0, 1, 4, 7, 6, 3]
+    assert torch.equal(val.cpu(), s[:, idx[0]].cpu())
 
 
 def test_masked_columns_fill_last_in_column_order() -> None:

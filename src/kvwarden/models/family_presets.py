@@ -38,16 +38,18 @@ _DENSE = {  # hidden, intermediate, layers, heads, kv heads, head dim, tied
 
 def family_config(arch: str, preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any]:
     """The preset's ``config.json`` (raises ``ValueError`` naming ``--preset`` when the family lacks it)."""
-    if preset not in ("tiny", "small"):
-        raise ValueError(f"--preset: {arch} has the presets tiny and small, not {preset!r}")
+    presets = ("tiny", "small", "0.6b") if arch in ("glm_moe_dsa", "deepseek_v32") else ("tiny", "small")
+    if preset not in presets:
+        raise ValueError(f"--preset: {arch} has the presets {', '.join(presets)}, not {preset!r}")
     architecture, model_type = FAMILIES[arch]
-    vocab += 7  # an embedding whose row count is not a multiple of 64 (ids past the tokenizer decode to nothing)
+    if preset != "0.6b":  # 0.6b keeps Qwen3's 151,936 embedding rows
+        vocab += 7  # an embedding whose row count is not a multiple of 64 (ids past the tokenizer decode to nothing)
     common: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_act": "silu",
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 40960 if preset == "0.6b" else 4096,
         "rms_norm_eps": 1e-6,
         "attention_dropout": 0.0,
         "bos_token_id": bos,
@@ -182,9 +184,16 @@ def _granite_moe(preset: str) -> dict[str, Any]:
 def _glm_moe_dsa(preset: str) -> dict[str, Any]:
     """GLM-5's shape in miniature: latent attention, an indexer whose ``index_topk`` prunes at the lengths
     tests use (8 of a few dozen keys; 32 in small), a shared-selection layer, a dense first MLP, then
-    group-limited routed experts beside a shared one."""
-    tiny, small = (64, 3, 4, 32, 16, 16, 16, 8, 32, 8, 8, 2), (256, 4, 8, 128, 32, 32, 32, 8, 64, 32, 16, 4)
-    hidden, layers, heads, lora, nope, rope, v, ih, idim, topk, experts, groups = tiny if preset == "tiny" else small
+    group-limited routed experts beside a shared one. ``0.6b``: GLM-5's attention dimensions (latent 512,
+    rotary 64, nope 192, values 256, an indexer of 32 heads of 128 choosing 2,048 keys) over 12 layers of
+    a 1,024-wide model with 16 experts (4 per token), about 0.7B parameters (311M of them the 151,936-row
+    embedding and head), for GPU figures beside the dense 0.6B models."""
+    shapes = {  # hidden, layers, heads, lora, nope, rope, v, index heads, index dim, topk, experts, groups
+        "tiny": (64, 3, 4, 32, 16, 16, 16, 8, 32, 8, 8, 2),
+        "small": (256, 4, 8, 128, 32, 32, 32, 8, 64, 32, 16, 4),
+        "0.6b": (1024, 12, 16, 512, 192, 64, 256, 32, 128, 2048, 16, 4),
+    }
+    hidden, layers, heads, lora, nope, rope, v, ih, idim, topk, experts, groups = shapes[preset]
     return {
         "hidden_size": hidden,
         "intermediate_size": 2 * hidden,
@@ -204,7 +213,7 @@ def _glm_moe_dsa(preset: str) -> dict[str, Any]:
         "indexer_types": ["shared" if i % 2 else "full" for i in range(layers)],
         "first_k_dense_replace": 1,
         "n_routed_experts": experts,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": 4 if preset == "0.6b" else 2,
         "n_group": groups,
         "topk_group": groups // 2,
         "n_shared_experts": 1,

@@ -8,7 +8,7 @@ ARCHS = (
     "qwen3",
     "qwen3_next",
     "granite_hybrid",
-    # families with tiny and small presets only (models/family_presets.py)
+    # families with tiny and small presets (models/family_presets.py; the DSA pair a 0.6b one too)
     "qwen2",
     "mistral",
     "llama3",

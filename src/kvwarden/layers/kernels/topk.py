@@ -1,27 +1,41 @@
 """Deterministic top-k over rows of scores (the sparse-attention indexer's key selection).
 
 NOTE(invariance), by construction: the selected set *and* its order are a function
-of one row's scores alone. Every (score, column) pair of a row has a rank in one
-total order - score descending, then column ascending (ties go to the lower
-column) - computed by counting, for element ``i``, the elements that come before
-it: ``#{j : s_j > s_i} + #{j < i : s_j == s_i}``. Counting is exact integer
-arithmetic, so the rank does not depend on the order the counts are added in,
-on the tile sizes, on which program ran first or on what other rows share the
-launch. The ranks of a row are a permutation of ``0..n-1``; the element of rank
-``r < k`` is written to output slot ``r`` by the one program that owns it - no
-atomics, no arrival order (the fault of a kernel that hands out output slots by
-atomic counter is exactly that its order, and under ties its set, follows
-thread timing).
+of one row's scores alone. One total order ranks a row's (score, column) pairs:
+score descending, then column ascending (ties go to the lower column). One
+program owns one row and does everything for it, so nothing depends on the
+number of rows in the launch, on which program ran first, or on thread timing:
 
-Scores are compared as float32. ``-inf`` marks a column that may not be chosen
-(beyond the query's causal range): such columns rank after every finite one,
-among themselves by column, so a row with fewer than ``k`` finite scores still
-gets a deterministic fill. NaN is not a score (it compares false both ways and
-would break the total order): callers must not produce it.
+1. Radix select of the threshold. Each score becomes a 32-bit key whose integer
+   order is the float order (``-0.0`` first made ``+0.0``, as the comparison
+   treats them). Three passes over the row count, in integer histograms, how
+   many keys share each value of the next 11, 11 and 10 bits among the keys
+   that match the prefix found so far; the bin where the count from the top
+   reaches ``k`` extends the prefix. After the passes the prefix *is* the
+   ``k``-th largest key ``T``, and ``need`` says how many keys equal to ``T``
+   the selection takes. Counting is exact integer arithmetic: its result does
+   not depend on the order the counts are added in or on the block size.
+2. Compaction in column order: a key above ``T`` is selected; a key equal to
+   ``T`` is selected when fewer than ``need`` equal keys come before it in the
+   row (a running count over the blocks, which the program walks in column
+   order). Exactly ``k`` keys are selected.
+3. Order: the ``k`` selected pairs, packed as ``key << 32 | ~column`` (one
+   signed 64-bit integer whose order is the total order, every pair distinct),
+   are sorted in the program's registers. A set of distinct keys has one
+   sorted order, whatever order the compaction wrote them in.
 
-Cost: ``n`` comparisons per element, ``n^2`` per row - simple and exact, fine for
-the lengths the presets reach; a radix select with the same total order is the
-way to long contexts, and must keep this file's argument.
+No atomics and no output slot handed out by arrival: the fault of a kernel that
+hands out output slots by an atomic counter is exactly that its order, and under
+ties its set, follows thread timing.
+
+``-inf`` marks a column that may not be chosen (beyond the query's causal
+range): its key ranks after every finite one, among themselves by column, so a
+row with fewer than ``k`` finite scores still gets a deterministic fill. NaN is
+not a score (it has no place in the order): callers must not produce it.
+
+Cost: four passes over the row (three histograms, one compaction) and one
+bitonic sort of ``k`` (padded to a power of two); ``k`` past ``MAX_SORT`` runs
+the stable-sort reference instead, which has the same answer.
 """
 
 from __future__ import annotations
@@ -30,39 +44,97 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_I = 64  # candidates per program
-BLOCK_J = 128  # competitors per loop step
+BLOCK = 4096  # scores per loop step (one fixed size: compiles once)
+BINS = 2048  # histogram bins (11 bits)
+MAX_SORT = 4096  # the largest k sorted in one program's registers
+
+
+@triton.jit
+def _keys(base, offs, n):
+    """Signed 32-bit keys in the scores' float order (as int64) and the in-range mask."""
+    valid = offs < n
+    s = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 == 0.0 in the order: one key for both
+    bits = s.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse the magnitude bits
+    return key.to(tl.int64), valid
+
+
+@triton.jit
+def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """One radix pass: among keys whose bits above ``SHIFT + WIDTH`` equal ``prefix``, the ``WIDTH`` bits
+    holding the ``need``-th largest; returns the longer prefix and what is still needed inside it."""
+    hist = tl.zeros([NB], dtype=tl.int32)
+    missed = 0
+    for j0 in range(0, n, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK)
+        key, valid = _keys(base, offs, n)
+        ukey = key + 2147483648  # 0 .. 2^32 - 1, same order
+        match = valid & ((ukey >> (SHIFT + WIDTH)) == prefix)
+        digit = ((ukey >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
+        # histogram without a mask argument: non-matching keys go to bin 0 and are taken back out
+        hist += tl.histogram(tl.where(match, digit, 0), NB)
+        missed += tl.sum((~match).to(tl.int32), axis=0)
+    bins = tl.arange(0, NB)
+    hist -= tl.where(bins == 0, missed, 0)
+    above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # keys in higher bins than each bin
+    hit = (above < need) & (above + hist >= need)  # exactly one bin (it holds the need-th key)
+    b = tl.max(tl.where(hit, bins, -1), axis=0)
+    need -= tl.sum(tl.where(bins == b, above, 0), axis=0)
+    return prefix * (1 << WIDTH) + b, need
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride"])
-def _rank_select_kernel(s_ptr, idx_ptr, val_ptr, n, k, stride, BI: tl.constexpr, BJ: tl.constexpr):
+def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: tl.constexpr, NB: tl.constexpr,
+                         KP: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
-    offs_i = tl.program_id(1) * BI + tl.arange(0, BI)
-    mask_i = offs_i < n
     base = s_ptr + row.to(tl.int64) * stride
-    s_i = tl.load(base + offs_i, mask=mask_i, other=float("-inf")).to(tl.float32)
-    rank = tl.zeros([BI], dtype=tl.int32)
-    for j0 in range(0, n, BJ):
-        offs_j = j0 + tl.arange(0, BJ)
-        mask_j = offs_j < n
-        s_j = tl.load(base + offs_j, mask=mask_j, other=float("-inf")).to(tl.float32)
-        before = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (offs_j[None, :] < offs_i[:, None]))
-        rank += tl.sum((before & mask_j[None, :]).to(tl.int32), axis=1)
-    keep = mask_i & (rank < k)
-    out = row.to(tl.int64) * k + rank
-    tl.store(idx_ptr + out, offs_i.to(tl.int64), mask=keep)
-    tl.store(val_ptr + out, s_i, mask=keep)
+    prefix = tl.zeros([], dtype=tl.int64)
+    need = k
+    prefix, need = _refine(base, n, prefix, need, 21, 11, BLOCK, NB)
+    prefix, need = _refine(base, n, prefix, need, 10, 11, BLOCK, NB)
+    prefix, need = _refine(base, n, prefix, need, 0, 10, BLOCK, NB)
+    threshold = prefix - 2147483648  # back to the signed key
+    buf = buf_ptr + row.to(tl.int64) * KP
+    equal_before = 0
+    written = 0
+    for j0 in range(0, n, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK)
+        key, valid = _keys(base, offs, n)
+        eq = valid & (key == threshold)
+        eq_rank = equal_before + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        sel = (valid & (key > threshold)) | (eq & (eq_rank < need))
+        at = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        packed = (key << 32) | (4294967295 - offs.to(tl.int64))
+        tl.store(buf + at, packed, mask=sel)
+        equal_before += tl.sum(eq.to(tl.int32), axis=0)
+        written += tl.sum(sel.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the compaction's stores, by any thread, before the sort's loads
+    slots = tl.arange(0, KP)
+    packed = tl.load(buf + slots, mask=slots < k, other=-9223372036854775808)
+    packed = tl.sort(packed, descending=True)
+    col = 4294967295 - (packed & 4294967295)
+    key = (packed >> 32).to(tl.int32)
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    out = row.to(tl.int64) * k + slots
+    tl.store(idx_ptr + out, col, mask=slots < k)
+    tl.store(val_ptr + out, bits.to(tl.float32, bitcast=True), mask=slots < k)
 
 
 def topk_triton(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in rank order."""
     rows, n = _check(scores, k)
+    if k > MAX_SORT:  # too many to sort in registers: the same answer through the stable sort
+        return topk_reference(scores, k)
     scores = scores.contiguous()
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     val = torch.empty(rows, k, dtype=torch.float32, device=scores.device)
     if rows and k:
-        grid = (rows, triton.cdiv(n, BLOCK_I))
-        _rank_select_kernel[grid](scores, idx, val, n, k, scores.stride(0), BI=BLOCK_I, BJ=BLOCK_J)
+        kp = triton.next_power_of_2(k)
+        buf = torch.empty(rows, kp, dtype=torch.int64, device=scores.device)
+        _radix_select_kernel[(rows,)](
+            scores, buf, idx, val, n, k, scores.stride(0), BLOCK=BLOCK, NB=BINS, KP=kp, num_warps=8
+        )
     return val, idx
 
 
