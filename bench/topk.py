@@ -73,7 +73,30 @@ def selection_rows(args: argparse.Namespace, device: str) -> list[dict]:
                 from kvwarden.layers.kernels.topk import topk_triton
 
                 row["triton_ms"] = 1e3 * best_of(partial(topk_triton, scores, k), args.repeats, sync)
+                if args.variants:
+                    row["gpu_ms"] = gpu_times(scores, k)
             out.append(row)
+    return out
+
+
+VARIANTS = {  # name -> topk_triton keywords (every one gives the same answer; sort=False only times the passes)
+    "r8 b4096 w8": {"radix": 8, "block": 4096, "num_warps": 8},
+    "r11 b4096 w8": {"radix": 11, "block": 4096, "num_warps": 8},
+    "r8 b2048 w4": {"radix": 8, "block": 2048, "num_warps": 4},
+    "r8 b8192 w16": {"radix": 8, "block": 8192, "num_warps": 16},
+    "r8 b4096 w8 no sort": {"radix": 8, "block": 4096, "num_warps": 8, "sort": False},
+}
+
+
+def gpu_times(scores: torch.Tensor, k: int) -> dict[str, float]:
+    """Device time (CUDA events, median; no host launch cost) of torch.topk and each kernel shape."""
+    from triton.testing import do_bench
+
+    from kvwarden.layers.kernels.topk import topk_triton
+
+    out = {"torch.topk": do_bench(partial(torch.topk, scores, k, dim=-1), warmup=10, rep=50, return_mode="median")}
+    for name, kw in VARIANTS.items():
+        out[name] = do_bench(partial(topk_triton, scores, k, **kw), warmup=10, rep=50, return_mode="median")
     return out
 
 
@@ -94,7 +117,8 @@ def model_rows(args: argparse.Namespace, device: str) -> list[dict]:
         llm = LLM(
             model, device=device, enable_prefix_caching=False, max_num_batched_tokens=max(4096, args.prompt_len), **kw
         )
-        llm.score(prompt[:16])  # warm-up
+        llm.score(prompt)  # warm-up: every kernel shape the timed calls use compiles here
+        llm.generate([prompt], params)
         t = time.perf_counter()
         llm.score(prompt)
         prefill = time.perf_counter() - t
@@ -127,6 +151,7 @@ def main() -> None:
     p.add_argument("--dsa-model", default="builtin:glm_moe_dsa-small")
     p.add_argument("--dense-model", default="builtin:qwen3_moe-small")
     p.add_argument("--no-models", action="store_true", help="selection rows only")
+    p.add_argument("--variants", action="store_true", help="GPU: device time of each kernel shape and torch.topk")
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = p.parse_args()
     if args.quick:
@@ -149,6 +174,14 @@ def main() -> None:
         cells += [f"{r['ties_f32']:.1%}", f"{r['ties_bf16']:.1%}"]
         table.add_row(*[str(c) for c in cells])
     console.print(table)
+    if args.variants and args.device == "cuda":
+        vt = Table(title="Device time (median, ms): torch.topk and the kernel's shapes", title_justify="left")
+        names = ["torch.topk", *VARIANTS]
+        for c in ["keys", "rows", *names]:
+            vt.add_column(c, justify="right")
+        for r in sel:
+            vt.add_row(str(r["keys"]), str(r["rows"]), *[f"{r['gpu_ms'][m]:.3f}" for m in names])
+        console.print(vt)
     if args.device == "cuda":  # the selection rows' buffers back to the driver before engines size their pools
         torch.cuda.empty_cache()
     models = [] if args.no_models else model_rows(args, args.device)

@@ -255,11 +255,16 @@ fi
 if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa / DeepseekV32: the carried wheel is the reference
   DSA=(--model builtin:glm_moe_dsa-small --model builtin:deepseek_v32-small)
   DSA_BIG=${DSA_BIG:-builtin:glm_moe_dsa-0.6b}  # GLM-5's attention dimensions (latent 512 + rotary 64, top-k 2,048)
+  DSAPARTS=" ${DSA_PARTS:-tests float32 bfloat16 invariance topk} "  # a subset, e.g. DSA_PARTS="tests topk"
+  dsa_part() { [[ "$DSAPARTS" == *" $1 "* ]]; }
+  if dsa_part tests; then
   stage "sparse attention kernels compiled (indexer scores, latent attention, radix-select top-k)"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_dsa_kernels.py tests/test_topk.py \
     2>&1 | tee "$OUT/dsa-tests.log" | tail -n 5
   record "DSA kernel tests" "$(tail -n 1 "$OUT/dsa-tests.log")"
+  fi
   for DT in float32 bfloat16; do
+    dsa_part $DT || continue
     # bfloat16: a selection flip moves a logprob by nats, so each engine is also measured against float32 truth
     TRUTH=$([ "$DT" = bfloat16 ] && echo --truth)
     stage "sparse attention against the carried transformers, $DT $TRUTH"
@@ -268,18 +273,23 @@ if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa /
     tail -n 1 "$OUT/dsa-agreement-$DT.log" > "$OUT/dsa-agreement-$DT.json"
     record "DSA agreement $DT (equal, prompts, median, truth)" "$(python3 -c "import json; d=json.load(open('$OUT/dsa-agreement-$DT.json'))['models']; print({m.split(':')[-1].split(' ')[0]: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4), s.get('truth')) for m, s in d.items()})" 2>&1 | tail -n 1)"
   done
+  if dsa_part invariance; then
   stage "sparse attention invariance (a)-(j), canonical, bfloat16"
   timeout 240 python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 "${DSA[@]}" \
     2>&1 | tee "$OUT/dsa-invariance.log" | grep -v '^{' | tail -n 8
   tail -n 1 "$OUT/dsa-invariance.log" > "$OUT/dsa-invariance.json"
   record "DSA invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/dsa-invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
+  fi
+  if dsa_part topk; then
   stage "key selection vs torch.topk (4K-64K keys, 1-256 rows); $DSA_BIG prefill/decode at 4K beside qwen3-0.6b"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader  # nothing should hold the GPU now
-  timeout 300 python3 bench/topk.py --device cuda --rows 1 16 256 --dsa-model "$DSA_BIG" \
-    --dense-model builtin:qwen3-0.6b --prompt-len 4096 --decode-tokens 33 2>&1 | tee "$OUT/topk.log" | grep -v '^{' | tail -n 32
+  timeout 400 python3 bench/topk.py --device cuda --rows 1 16 256 --variants --dsa-model "$DSA_BIG" \
+    --dense-model builtin:qwen3-0.6b --prompt-len 4096 --decode-tokens 33 2>&1 | tee "$OUT/topk.log" | grep -v '^{' | tail -n 56
   tail -n 1 "$OUT/topk.log" > "$OUT/topk.json"
   record "top-k: torch.topk / triton at 8K-64K keys" "$(python3 -c "import json; d=json.load(open('$OUT/topk.json'))['selection']; print([(r['keys'], r['rows'], round(r['torch_topk_ms'] / r['triton_ms'], 2)) for r in d if r['keys'] >= 8192])" 2>&1 | tail -n 1)"
+  record "top-k device time: topk / best shape (8K+)" "$(python3 -c "import json; d=json.load(open('$OUT/topk.json'))['selection']; print([(r['keys'], r['rows'], min((v, n) for n, v in r['gpu_ms'].items() if n != 'torch.topk' and 'no sort' not in n)[1], round(r['gpu_ms']['torch.topk'] / min(v for n, v in r['gpu_ms'].items() if n != 'torch.topk' and 'no sort' not in n), 2)) for r in d if r['keys'] >= 8192])" 2>&1 | tail -n 1)"
   record "DSA vs dense prefill|decode tok/s at 4K" "$(python3 -c "import json; print([(r['model'][:40], round(r['prefill_tok_s']), round(r['decode_tok_s'], 1)) for r in json.load(open('$OUT/topk.json'))['models']])" 2>&1 | tail -n 1)"
+  fi
 fi
 
 if want granite; then  # GraniteMoeHybrid with n_groups > 1 needs transformers >= 5.23 as the reference

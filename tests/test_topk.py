@@ -44,7 +44,8 @@ def test_triton_top_k_equals_the_stable_order(dtype: torch.dtype, n: int, k: int
         assert pairs == sorted(pairs, key=lambda p: (-p[0], p[1]))
 
 
-def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks() -> None:
+@pytest.mark.parametrize(("radix", "block"), [(8, 4096), (11, 1024)])
+def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks(radix: int, block: int) -> None:
     # 9,000 columns span three of the kernel's loop blocks; 20 scores above the threshold, 40 at it
     # (10 in the first block, 30 later): k = 50 takes the first 30 of the 40 in column order
     g = torch.Generator().manual_seed(3)
@@ -55,7 +56,7 @@ def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks() -> None
     s[0, high] = torch.rand(20, generator=g) + 1.0
     s[0, tied] = 0.5
     s = s.to(DEVICE)
-    val, idx = topk_triton(s, 50)
+    val, idx = topk_triton(s, 50, radix=radix, block=block)  # every kernel shape: the same answer
     ref_val, ref_idx = topk_reference(s, 50)
     assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(val.cpu(), ref_val.cpu())
     assert idx[0, 20:].tolist() == sorted(tied.tolist())[:30]

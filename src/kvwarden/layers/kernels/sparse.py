@@ -150,6 +150,8 @@ def latent_attention(
         _latent_attention_kernel[grid](
             q.contiguous(), latent.contiguous(), selected.contiguous(), visible.to(torch.int8).contiguous(), out,
             t, k, scale, H=h, L=width, R=kv_lora_rank, HB=hb, LP=triton.next_power_of_2(width), BK=BLOCK_CANDIDATES,
-            DOT=not INTERPRETED,
+            DOT=not INTERPRETED, num_stages=1,
         )  # fmt: skip
+        # num_stages=1: GLM-5's 576-wide latent rows in bfloat16 overflowed the H200's shared memory when
+        # Triton pipelined the candidate loads (264 KB of 232); the stages change scheduling, not arithmetic
     return out

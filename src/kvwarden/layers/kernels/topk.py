@@ -8,9 +8,9 @@ number of rows in the launch, on which program ran first, or on thread timing:
 
 1. Radix select of the threshold. Each score becomes a 32-bit key whose integer
    order is the float order (``-0.0`` first made ``+0.0``, as the comparison
-   treats them). Three passes over the row count, in integer histograms, how
-   many keys share each value of the next 11, 11 and 10 bits among the keys
-   that match the prefix found so far; the bin where the count from the top
+   treats them). Four passes over the row count, in integer histograms, how
+   many keys share each value of the next 8 bits (or three passes of 11, 11
+   and 10) among the keys that match the prefix found so far; the bin where the count from the top
    reaches ``k`` extends the prefix. After the passes the prefix *is* the
    ``k``-th largest key ``T``, and ``need`` says how many keys equal to ``T``
    the selection takes. Counting is exact integer arithmetic: its result does
@@ -33,7 +33,7 @@ range): its key ranks after every finite one, among themselves by column, so a
 row with fewer than ``k`` finite scores still gets a deterministic fill. NaN is
 not a score (it has no place in the order): callers must not produce it.
 
-Cost: four passes over the row (three histograms, one compaction) and one
+Cost: five passes over the row (four histograms, one compaction) and one
 bitonic sort of ``k`` (padded to a power of two); ``k`` past ``MAX_SORT`` runs
 the stable-sort reference instead, which has the same answer.
 """
@@ -45,33 +45,36 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # scores per loop step (one fixed size: compiles once)
-BINS = 2048  # histogram bins (11 bits)
+RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MAX_SORT = 4096  # the largest k sorted in one program's registers
 
 
 @triton.jit
 def _keys(base, offs, n):
-    """Signed 32-bit keys in the scores' float order (as int64) and the in-range mask."""
+    """Signed 32-bit keys in the scores' float order and the in-range mask."""
     valid = offs < n
     s = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 == 0.0 in the order: one key for both
     bits = s.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse the magnitude bits
-    return key.to(tl.int64), valid
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF), valid  # negative floats: reverse the magnitude bits
 
 
 @triton.jit
-def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """One radix pass: among keys whose bits above ``SHIFT + WIDTH`` equal ``prefix``, the ``WIDTH`` bits
     holding the ``need``-th largest; returns the longer prefix and what is still needed inside it."""
+    NB: tl.constexpr = 1 << WIDTH
     hist = tl.zeros([NB], dtype=tl.int32)
     missed = 0
     for j0 in range(0, n, BLOCK):
         offs = j0 + tl.arange(0, BLOCK)
         key, valid = _keys(base, offs, n)
-        ukey = key + 2147483648  # 0 .. 2^32 - 1, same order
-        match = valid & ((ukey >> (SHIFT + WIDTH)) == prefix)
-        digit = ((ukey >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
+        ukey = ~(key ^ 0x7FFFFFFF)  # the sign bit flipped: unsigned order in the same 32 bits
+        if SHIFT + WIDTH < 32:
+            match = valid & (((ukey >> (SHIFT + WIDTH)) & ((1 << (32 - SHIFT - WIDTH)) - 1)) == prefix)
+        else:
+            match = valid
+        digit = (ukey >> SHIFT) & (NB - 1)
         # histogram without a mask argument: non-matching keys go to bin 0 and are taken back out
         hist += tl.histogram(tl.where(match, digit, 0), NB)
         missed += tl.sum((~match).to(tl.int32), axis=0)
@@ -81,20 +84,26 @@ def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLO
     hit = (above < need) & (above + hist >= need)  # exactly one bin (it holds the need-th key)
     b = tl.max(tl.where(hit, bins, -1), axis=0)
     need -= tl.sum(tl.where(bins == b, above, 0), axis=0)
-    return prefix * (1 << WIDTH) + b, need
+    return (prefix << WIDTH) | b, need
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride"])
-def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: tl.constexpr, NB: tl.constexpr,
-                         KP: tl.constexpr):  # fmt: skip
+def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: tl.constexpr, RADIX: tl.constexpr,
+                         KP: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     base = s_ptr + row.to(tl.int64) * stride
-    prefix = tl.zeros([], dtype=tl.int64)
+    prefix = tl.zeros([], dtype=tl.int32)
     need = k
-    prefix, need = _refine(base, n, prefix, need, 21, 11, BLOCK, NB)
-    prefix, need = _refine(base, n, prefix, need, 10, 11, BLOCK, NB)
-    prefix, need = _refine(base, n, prefix, need, 0, 10, BLOCK, NB)
-    threshold = prefix - 2147483648  # back to the signed key
+    if RADIX == 8:
+        prefix, need = _refine(base, n, prefix, need, 24, 8, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 16, 8, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 8, 8, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 0, 8, BLOCK)
+    else:
+        prefix, need = _refine(base, n, prefix, need, 21, 11, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 10, 11, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 0, 10, BLOCK)
+    threshold = ~(prefix ^ 0x7FFFFFFF)  # back to the signed key
     buf = buf_ptr + row.to(tl.int64) * KP
     equal_before = 0
     written = 0
@@ -105,14 +114,15 @@ def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: 
         eq_rank = equal_before + tl.cumsum(eq.to(tl.int32), axis=0) - 1
         sel = (valid & (key > threshold)) | (eq & (eq_rank < need))
         at = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        packed = (key << 32) | (4294967295 - offs.to(tl.int64))
+        packed = (key.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))
         tl.store(buf + at, packed, mask=sel)
         equal_before += tl.sum(eq.to(tl.int32), axis=0)
         written += tl.sum(sel.to(tl.int32), axis=0)
     tl.debug_barrier()  # the compaction's stores, by any thread, before the sort's loads
     slots = tl.arange(0, KP)
     packed = tl.load(buf + slots, mask=slots < k, other=-9223372036854775808)
-    packed = tl.sort(packed, descending=True)
+    if SORT:  # (off only to time the passes alone in bench/topk.py; the order is then the columns')
+        packed = tl.sort(packed, descending=True)
     col = 4294967295 - (packed & 4294967295)
     key = (packed >> 32).to(tl.int32)
     bits = key ^ ((key >> 31) & 0x7FFFFFFF)
@@ -121,11 +131,18 @@ def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: 
     tl.store(val_ptr + out, bits.to(tl.float32, bitcast=True), mask=slots < k)
 
 
-def topk_triton(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in rank order."""
+def topk_triton(
+    scores: torch.Tensor, k: int, *, radix: int = RADIX, block: int = BLOCK, num_warps: int = 8, sort: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in rank order.
+
+    ``radix``, ``block``, ``num_warps``: the kernel's shape (any gives the same answer; ``bench/topk.py
+    --variants`` times them). ``sort=False`` leaves the selection in column order (timing only)."""
     rows, n = _check(scores, k)
     if k > MAX_SORT:  # too many to sort in registers: the same answer through the stable sort
         return topk_reference(scores, k)
+    if radix not in (8, 11):
+        raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
     scores = scores.contiguous()
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     val = torch.empty(rows, k, dtype=torch.float32, device=scores.device)
@@ -133,8 +150,9 @@ def topk_triton(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         kp = triton.next_power_of_2(k)
         buf = torch.empty(rows, kp, dtype=torch.int64, device=scores.device)
         _radix_select_kernel[(rows,)](
-            scores, buf, idx, val, n, k, scores.stride(0), BLOCK=BLOCK, NB=BINS, KP=kp, num_warps=8
-        )
+            scores, buf, idx, val, n, k, scores.stride(0), BLOCK=block, RADIX=radix, KP=kp, SORT=sort,
+            num_warps=num_warps,
+        )  # fmt: skip
     return val, idx
 
 
