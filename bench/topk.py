@@ -115,19 +115,17 @@ def model_rows(args: argparse.Namespace, device: str) -> list[dict]:
     ):
         kw = {"unsafe_topk": True} if unsafe else {}
         llm = LLM(
-            model, device=device, enable_prefix_caching=False, max_num_batched_tokens=max(4096, args.prompt_len), **kw
-        )
-        llm.score(prompt)  # warm-up: every kernel shape the timed calls use compiles here
-        llm.generate([prompt], params)
-        t = time.perf_counter()
-        llm.score(prompt)
-        prefill = time.perf_counter() - t
-        # decode over the whole prompt (where the selection prunes): a long generation less a one-token one
+            model, device=device, dtype=args.dtype, enable_prefix_caching=False,
+            max_num_batched_tokens=max(4096, args.prompt_len), **kw,
+        )  # fmt: skip
+        llm.generate([prompt], params)  # warm-up: every kernel shape the timed calls use compiles here
+        # prefill: a one-token generation (one chunk, the last row's logits); decode over the whole prompt
+        # (where the selection prunes): a long generation less the one-token one
         t = time.perf_counter()
         llm.generate([prompt], one)
         t1 = time.perf_counter()
         llm.generate([prompt], params)
-        decode = (time.perf_counter() - t1) - (t1 - t)
+        prefill, decode = t1 - t, (time.perf_counter() - t1) - (t1 - t)
         del llm  # its cache pool goes back before the next engine sizes its own
         out.append(
             {
@@ -148,12 +146,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--dtype", default=None, help="model rows' dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--dsa-model", default="builtin:glm_moe_dsa-small")
     p.add_argument("--dense-model", default="builtin:qwen3_moe-small")
     p.add_argument("--no-models", action="store_true", help="selection rows only")
     p.add_argument("--variants", action="store_true", help="GPU: device time of each kernel shape and torch.topk")
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.quick:
         args.keys, args.rows, args.k, args.repeats = [4096], [1, 16], 256, 1
         args.prompt_len, args.decode_tokens = 128, 8
@@ -186,7 +186,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     models = [] if args.no_models else model_rows(args, args.device)
     if models:
-        title = f"Prefill ({args.prompt_len} tokens) and batch-1 decode after it, canonical numerics"
+        title = f"Prefill ({args.prompt_len} tokens) and batch-1 decode after it, {args.dtype}, canonical numerics"
         mt = Table(title=title, title_justify="left")
         for c in ("model", "prefill tok/s", "decode tok/s"):
             mt.add_column(c, justify="right")

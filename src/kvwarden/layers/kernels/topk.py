@@ -44,7 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # scores per loop step (one fixed size: compiles once)
+# The kernel's shape, measured on the H200 (bench/topk.py --variants, 2026-12-03; any shape gives the same
+# answer): 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); few rows want
+# long blocks and 16 warps (one program per row, latency-bound), many rows 4,096 and 8 warps.
+BLOCK, WARPS = 8192, 16  # up to FEW_ROWS rows
+BLOCK_MANY, WARPS_MANY = 4096, 8
+FEW_ROWS = 64
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MAX_SORT = 4096  # the largest k sorted in one program's registers
 
@@ -132,7 +137,13 @@ def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: 
 
 
 def topk_triton(
-    scores: torch.Tensor, k: int, *, radix: int = RADIX, block: int = BLOCK, num_warps: int = 8, sort: bool = True
+    scores: torch.Tensor,
+    k: int,
+    *,
+    radix: int = RADIX,
+    block: int | None = None,
+    num_warps: int | None = None,
+    sort: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in rank order.
 
@@ -144,6 +155,9 @@ def topk_triton(
     if radix not in (8, 11):
         raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
     scores = scores.contiguous()
+    few = rows <= FEW_ROWS
+    block = block or (BLOCK if few else BLOCK_MANY)
+    num_warps = num_warps or (WARPS if few else WARPS_MANY)
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     val = torch.empty(rows, k, dtype=torch.float32, device=scores.device)
     if rows and k:
