@@ -55,6 +55,8 @@ class ForwardBatch:
             every token (:func:`kvwarden.models.recurrent_batched.keep_token_states`); else None.
         dsa_selection: sparse attention's ``(cache slots [rows, k], visible [rows, k])`` from the step's last
             full indexer layer (``models/mla_block.py``); the layers that share it read it.
+        dsa_keys: on the GPU backends, every query's key table ``(slots [requests, context], request of
+            each row [rows])``, built once per step by the first full indexer layer.
     """
 
     input_ids: torch.Tensor
@@ -70,6 +72,7 @@ class ForwardBatch:
     token_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # DSA (GLM-5): the last full indexer layer's selection, read by the shared layers after it
     dsa_selection: tuple[torch.Tensor, torch.Tensor] | None = None
+    dsa_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def trace(self, name: str, rows: torch.Tensor) -> None:
         if self.tracer is not None:

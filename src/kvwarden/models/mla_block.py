@@ -169,18 +169,13 @@ class MlaBlock:
     def _select_on_device(
         self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every query's selection in two launches (scores, then the rank-counting top-k)."""
+        """Every query's selection in two launches (scores, then the radix-select top-k)."""
         assert self.kernels is not None
         sparse, topk = self.kernels
-        seqs, dev, k = batch.plan.seqs, q.device, self.mla.index_topk
-        width = max(s.start_pos + s.num_queries for s in seqs)
-        table = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            table[i, : s.start_pos + s.num_queries] = s.slots[: s.start_pos + s.num_queries]
-        req = torch.repeat_interleave(
-            torch.arange(len(seqs), dtype=torch.int32), torch.tensor([s.num_queries for s in seqs])
-        )
-        table, req = table.to(dev), req.to(dev)
+        k = self.mla.index_topk
+        if batch.dsa_keys is None:  # once per step: every full indexer layer reads the same table
+            batch.dsa_keys = _key_table(batch, q.device)
+        table, req = batch.dsa_keys
         scale = self.mla.index_head_dim**-0.5
         scores = sparse.index_scores(
             q, weights, index_cache.view(index_cache.shape[0], -1), table, req, batch.positions.to(torch.int32), scale
@@ -188,3 +183,16 @@ class MlaBlock:
         arrival = scores.shape[0] if self.arrival_order else None
         positions, visible = select_keys(scores, k, arrival, topk.topk_triton)
         return table[req.long()].gather(1, positions), visible
+
+
+def _key_table(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cache slots [requests, context], request of each query row [rows])`` of the step's requests."""
+    seqs = batch.plan.seqs
+    width = max(s.start_pos + s.num_queries for s in seqs)
+    table = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        table[i, : s.start_pos + s.num_queries] = s.slots[: s.start_pos + s.num_queries]
+    req = torch.repeat_interleave(
+        torch.arange(len(seqs), dtype=torch.int32), torch.tensor([s.num_queries for s in seqs])
+    )
+    return table.to(device), req.to(device)

@@ -68,9 +68,7 @@ class SparseMoE:
         self.moe, self.ops = cfg.moe, ops
         self.topk_first = cfg.moe.routing == "topk_softmax"
         self.grouped = cfg.moe.routing == "sigmoid_group"
-        # group-limited routing has no device kernel yet: such a model walks its experts on the host
-        # everywhere (the same row-tiled GEMMs, so the same invariance)
-        self.on_device = ops.device_moe and not self.grouped
+        self.on_device = ops.device_moe
         self.shared_gate: torch.Tensor | None = None
         self.shared: MLP | GraniteMLP | None = None
         self.score_bias: torch.Tensor | None = None
@@ -101,9 +99,12 @@ class SparseMoE:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops, k = self.ops, self.moe.top_k
         if self.on_device:  # one kernel routes, one sort and one kernel dispatch, two run the experts
-            weights, chosen = ops.moe_route(  # type: ignore[attr-defined]
-                ops.linear(h, self.router), k, self.moe.norm_topk_prob, h.dtype, self.topk_first
-            )
+            if self.grouped:  # group-limited routing: row-wise library ops on the device, nothing read back
+                weights, chosen = self._route_grouped(h)
+            else:
+                weights, chosen = ops.moe_route(  # type: ignore[attr-defined]
+                    ops.linear(h, self.router), k, self.moe.norm_topk_prob, h.dtype, self.topk_first
+                )
             per_rank = ops.moe_experts(h, chosen, weights, self.w_gate_up, self.w_down)  # type: ignore[attr-defined]
         else:
             weights, chosen = self._route(h)
