@@ -68,7 +68,7 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 def graph_capable(model: DecoderModel) -> str | None:
     """Why ``model``'s decode step cannot be captured, or None when it can."""
     if model.cfg.mla is not None:
-        return "sparse attention (DSA) selects keys and walks experts with host bookkeeping"
+        return "sparse attention (DSA) builds each step's key table on the host"
     if model.cfg.recurrent_layers and not model.ops.batched_recurrent:
         return "recurrent layers address their states per request on the host (CPU backends)"
     if model.cfg.moe is not None and not model.ops.device_moe:
