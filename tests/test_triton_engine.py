@@ -138,8 +138,8 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
 
 
 def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root: Path) -> None:
-    """(j) through verify graphs: steps whose requests all carry k drafts replay a (k + 1)-row graph (on the
-    CPU the same static-buffer step, uncaptured); the hybrid keeps every token's recurrent state there and
+    """(j) through verify graphs: steps whose requests carry 1..k drafts replay a (k + 1)-row graph, short
+    drafts padded (on the CPU the same static-buffer step, uncaptured); the hybrid keeps every token's recurrent state there and
     returns to the last accepted one on the device. MTP's random head rejects (the return) and drafts from
     its own graph the very tokens it drafts eagerly; the target as its own draft model is accepted by the
     greedy requests (the kept end state); block boundaries reached inside verify
@@ -168,6 +168,8 @@ def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root:
             assert got == reference, (family, method)
             engine, stats = llm.engine, llm.engine.stats()
             assert engine.runner.graphs is not None and engine.runner.graphs.verify_replays > 0
+            # requests near max_tokens draft fewer than k: padded to the graph's width, not run eagerly
+            assert engine.runner.graphs.padded_replays > 0, (family, method)
             if method == "mtp":  # the head drafted from its own graph, the very tokens it drafts eagerly
                 assert engine.speculator.proposer.graphs.replays > 0
                 eager = make(cuda_graphs="off", speculative_config=spec)

@@ -136,6 +136,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.replays = 0
         self.verify_replays = 0
+        self.padded_replays = 0  # verify replays where some request had fewer drafts than the width
         self.capture = capture
         self.capture_error: str | None = None
         if capture:
@@ -143,15 +144,20 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ fit
     def width(self, chunks: list[ScheduledChunk]) -> int | None:
-        """Rows per request when the step can replay a graph (one token each, all with the same number
-        of drafts that a graph was captured for, nothing else asked of a row), else None."""
+        """Rows per request when the step can replay a graph (one token each, nothing else asked of a row;
+        either no drafts at all or every request at least one, up to what a graph was captured for), else
+        None. A request with fewer drafts than the graph's width is padded (``GraphBatch.stage``).
+
+        NOTE(invariance): a request without drafts is not padded into a verify graph: nothing would
+        return its recurrent state from the padding rows (only a request with drafts is committed)."""
         if not chunks or len(chunks) > self.max_size:
             return None
-        q = chunks[0].num_spec + 1
-        if q not in self.widths:
+        most = max(c.num_spec for c in chunks)
+        q = 1 if most == 0 else next((w for w in self.widths if w > most), None)
+        if q is None:
             return None
         for c in chunks:
-            if c.num_tokens != 1 or c.num_spec + 1 != q or not c.completes or c.request.wants_prompt_scores:
+            if c.num_tokens != 1 or not c.completes or c.request.wants_prompt_scores or (q > 1 and not c.num_spec):
                 return None
         return q
 
@@ -182,6 +188,7 @@ class DecodeGraphs:
             self._stage_boundaries(chunks)
         else:
             self.verify_replays += 1
+            self.padded_replays += any(c.num_spec + 1 < q for c in chunks)
             if captured.token_states is not None and self.states is not None:
                 index = {c.request.request_id: i for i, c in enumerate(chunks)}
                 verified = VerifiedStates(self.states, captured.token_states, q, index, self.block_size)

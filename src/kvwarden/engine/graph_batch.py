@@ -9,7 +9,11 @@ NOTE(invariance): the rows see exactly what an eager step of the same requests w
 query tiles stay aligned to absolute positions (a request's ``q`` rows span at most two tiles; an
 unused second tile points at an empty request, index ``size``, whose zero queries see zero keys), a
 padding request has no queries and runs its recurrence over zero tokens in the state pool's scratch
-slot, and padding rows write their K/V into a slot no block owns.
+slot, and padding rows write their K/V into a slot no block owns. A request with fewer drafts than
+``q - 1`` (near its ``max_tokens``) is padded the same way: its extra rows come after its real ones, so
+causal attention and the scan never carry them into a real row; they write K/V to the unowned slot, their
+logits are not sampled, and the recurrent state they advance is returned to the last kept token by the
+verify commit (which every request with drafts gets: fewer kept than ``q - 1``).
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class GraphBatch:
             self.ints[3, :size] = self.states.scratch_slot
 
     def stage(self, chunks: list[ScheduledChunk], tables: BlockTables, size: int, q: int) -> None:
-        """Write the step's requests (``q`` rows each: the last token, then ``q - 1`` drafts)."""
+        """Write the step's requests (``q`` rows each: the last token, its drafts, padding up to ``q``)."""
         bs, bq, pad = self.block_size, self.block_q, size - len(chunks)
         ids: list[int] = []
         pos: list[int] = []
@@ -103,10 +107,11 @@ class GraphBatch:
             p, req = c.start, c.request
             blocks = tables.block_ids(req.request_id)
             ids.append(req.all_token_ids[p])
-            ids.extend(req.spec_token_ids[: q - 1])
+            ids.extend(req.spec_token_ids[: c.num_spec])
+            ids.extend([0] * (q - 1 - c.num_spec))
             for j in range(p, p + q):
                 pos.append(j)
-                slots.append(blocks[j // bs] * bs + j % bs)
+                slots.append(blocks[j // bs] * bs + j % bs if j <= p + c.num_spec else self.pad_slot)
             starts.append(p)
             rows.append(blocks)
             first, last = p // bq, (p + q - 1) // bq

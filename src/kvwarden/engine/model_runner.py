@@ -141,7 +141,10 @@ class ModelRunner:
             got = self.graphs.run(out.chunks, kv)
             q = got.q
             first = {c.request.request_id: i * q for i, c in enumerate(out.chunks)}
-            sample = {r: list(range(i, i + q)) for r, i in first.items()}
+            # a request with fewer drafts than the graph's width samples its real rows only
+            sample = {
+                c.request.request_id: list(range(i * q, i * q + 1 + c.num_spec)) for i, c in enumerate(out.chunks)
+            }
             return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified, q)
         entries: list[BatchEntry] = []
         sample_rows: dict[str, list[int]] = {}
