@@ -65,6 +65,31 @@ def tops_of(choice: Any) -> tuple[list[Any], list[Any]]:
     return parse_logprobs(choice.logprobs.model_dump())
 
 
+def test_sparse_attention_caches_travel_together() -> None:
+    """GLM-5's two caches (the latent rows and the indexer keys, one layer's K and V tensors) move in the same
+    blocks: the decode instance's selection over transferred indexer keys, and its attention over
+    transferred latent rows, give the single server's logprobs, also when both sides hit their prefix
+    caches. The tiny preset selects 8 keys, so every prompt here really prunes."""
+    model = "builtin:glm_moe_dsa-tiny"
+    with (
+        running_server(model, *QUIET) as single,
+        running_server(model, "--role", "prefill", *QUIET) as prefill,
+        running_server(model, "--role", "decode", *QUIET) as decode,
+    ):
+        one = openai.OpenAI(base_url=f"{single.url}/v1", api_key="x")
+        two = openai.OpenAI(base_url=f"{decode.url}/v1", api_key="x")
+        for prompt in (list(range(3, 20)), list(range(40, 90)), list(range(40, 70)) + [9] * 7):
+            for round_ in range(2):
+                kwargs: dict[str, Any] = {"model": decode.model, "prompt": prompt, "max_tokens": 8, "logprobs": 20}
+                kwargs.update(temperature=0.0, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+                want = one.completions.create(**kwargs)
+                body = {**kwargs["extra_body"], "kv_transfer_params": {"prefill_url": prefill.url}}
+                got = two.completions.create(**{**kwargs, "extra_body": body})
+                assert tops_of(got.choices[0]) == tops_of(want.choices[0]), (prompt, round_)
+        assert stats(decode)["done"] >= 3 and stats(decode)["failed"] == 0  # each first round took the transfer
+        wait_idle(prefill, decode)
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"])
 def test_disaggregated_equals_single_server(trio: tuple[Server, Server, Server], sampling: dict[str, Any]) -> None:
     single, prefill, decode = trio
