@@ -138,12 +138,12 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
 
 
 def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root: Path) -> None:
-    """(j) through verify graphs: steps whose requests carry 1..k drafts replay a (k + 1)-row graph, short
-    drafts padded (on the CPU the same static-buffer step, uncaptured); the hybrid keeps every token's recurrent state there and
-    returns to the last accepted one on the device. MTP's random head rejects (the return) and drafts from
-    its own graph the very tokens it drafts eagerly; the target as its own draft model is accepted by the
-    greedy requests (the kept end state); block boundaries reached inside verify
-    graphs are staged for the prefix cache, and a follow-up hits them."""
+    """(j) through verify graphs: steps whose requests carry 1..k drafts replay a (k + 1)-row graph, short drafts
+    padded (on the CPU the same static-buffer step, uncaptured); the hybrid keeps every token's recurrent state
+    there and returns to the last accepted one on the device. MTP's random head rejects (the return) and drafts from
+    its own graph the very tokens it drafts eagerly; the target as its own draft model is accepted by the greedy
+    requests (the kept end state); block boundaries reached inside verify graphs are staged for the prefix cache,
+    and a follow-up hits them."""
     rng = random.Random(6)
     prompts = [random_tokens(rng, n, 1000) for n in (11, 17, 10)]
     params = [
