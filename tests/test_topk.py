@@ -44,8 +44,15 @@ def test_triton_top_k_equals_the_stable_order(dtype: torch.dtype, n: int, k: int
         assert pairs == sorted(pairs, key=lambda p: (-p[0], p[1]))
 
 
-@pytest.mark.parametrize(("radix", "block"), [(8, 4096), (11, 1024)])
-def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks(radix: int, block: int) -> None:
+SHAPES = [  # the kernel's shapes (bench/topk.py --variants times them): every one gives the same answer
+    {"radix": 8, "block": 4096, "order": "sort", "masked": False},
+    {"radix": 11, "block": 1024, "order": "rank", "masked": True},
+    {"radix": 8, "block": 2048, "order": "rank", "masked": False},
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks(shape: dict) -> None:
     # 9,000 columns span three of the kernel's loop blocks; 20 scores above the threshold, 40 at it
     # (10 in the first block, 30 later): k = 50 takes the first 30 of the 40 in column order
     g = torch.Generator().manual_seed(3)
@@ -56,10 +63,18 @@ def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks(radix: in
     s[0, high] = torch.rand(20, generator=g) + 1.0
     s[0, tied] = 0.5
     s = s.to(DEVICE)
-    val, idx = topk_triton(s, 50, radix=radix, block=block)  # every kernel shape: the same answer
+    val, idx = topk_triton(s, 50, **shape)
     ref_val, ref_idx = topk_reference(s, 50)
     assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(val.cpu(), ref_val.cpu())
     assert idx[0, 20:].tolist() == sorted(tied.tolist())[:30]
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_every_shape_equals_the_stable_order_under_ties(shape: dict) -> None:
+    s = scores(5, 4, 300, torch.bfloat16, levels=9)
+    val, idx = topk_triton(s, 70, **shape)
+    ref_val, ref_idx = topk_reference(s, 70)
+    assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(val.cpu(), ref_val.cpu())
 
 
 def test_signed_zeros_and_infinities_keep_the_order() -> None:
@@ -92,6 +107,8 @@ def test_a_rows_selection_does_not_depend_on_its_neighbours_or_the_batch() -> No
 
 
 def test_bad_shapes_and_k_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="order must be one of"):
+        topk_triton(torch.zeros(2, 4, device=DEVICE), 2, order="fast")
     with pytest.raises(ValueError, match=r"k must be in \[0, 4\]"):
         topk_triton(torch.zeros(2, 4, device=DEVICE), 5)
     with pytest.raises(ValueError, match=r"scores must be \[rows, n\]"):

@@ -51,6 +51,10 @@ BLOCK, WARPS = 8192, 16  # up to FEW_ROWS rows
 BLOCK_MANY, WARPS_MANY = 4096, 8
 FEW_ROWS = 64
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
+ORDER = "sort"  # how the selected are put in rank order: "sort" or "rank" (see topk_triton)
+MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
+RANK_BLOCK = 128  # selected pairs per ranking tile
+_ORDERS = {"none": 0, "sort": 1, "rank": 2}
 MAX_SORT = 4096  # the largest k sorted in one program's registers
 
 
@@ -65,7 +69,7 @@ def _keys(base, offs, n):
 
 
 @triton.jit
-def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One radix pass: among keys whose bits above ``SHIFT + WIDTH`` equal ``prefix``, the ``WIDTH`` bits
     holding the ``need``-th largest; returns the longer prefix and what is still needed inside it."""
     NB: tl.constexpr = 1 << WIDTH
@@ -80,9 +84,11 @@ def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLO
         else:
             match = valid
         digit = (ukey >> SHIFT) & (NB - 1)
-        # histogram without a mask argument: non-matching keys go to bin 0 and are taken back out
-        hist += tl.histogram(tl.where(match, digit, 0), NB)
-        missed += tl.sum((~match).to(tl.int32), axis=0)
+        if MASKED:  # non-matching keys are left out of the count
+            hist += tl.histogram(digit, NB, mask=match)
+        else:  # no mask argument: non-matching keys go to bin 0 and are taken back out (they contend there)
+            hist += tl.histogram(tl.where(match, digit, 0), NB)
+            missed += tl.sum((~match).to(tl.int32), axis=0)
     bins = tl.arange(0, NB)
     hist -= tl.where(bins == 0, missed, 0)
     above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # keys in higher bins than each bin
@@ -94,20 +100,20 @@ def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLO
 
 @triton.jit(do_not_specialize=["n", "k", "stride"])
 def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: tl.constexpr, RADIX: tl.constexpr,
-                         KP: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
+                         KP: tl.constexpr, ORDER: tl.constexpr, MASKED: tl.constexpr, RB: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     base = s_ptr + row.to(tl.int64) * stride
     prefix = tl.zeros([], dtype=tl.int32)
     need = k
     if RADIX == 8:
-        prefix, need = _refine(base, n, prefix, need, 24, 8, BLOCK)
-        prefix, need = _refine(base, n, prefix, need, 16, 8, BLOCK)
-        prefix, need = _refine(base, n, prefix, need, 8, 8, BLOCK)
-        prefix, need = _refine(base, n, prefix, need, 0, 8, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 24, 8, BLOCK, MASKED)
+        prefix, need = _refine(base, n, prefix, need, 16, 8, BLOCK, MASKED)
+        prefix, need = _refine(base, n, prefix, need, 8, 8, BLOCK, MASKED)
+        prefix, need = _refine(base, n, prefix, need, 0, 8, BLOCK, MASKED)
     else:
-        prefix, need = _refine(base, n, prefix, need, 21, 11, BLOCK)
-        prefix, need = _refine(base, n, prefix, need, 10, 11, BLOCK)
-        prefix, need = _refine(base, n, prefix, need, 0, 10, BLOCK)
+        prefix, need = _refine(base, n, prefix, need, 21, 11, BLOCK, MASKED)
+        prefix, need = _refine(base, n, prefix, need, 10, 11, BLOCK, MASKED)
+        prefix, need = _refine(base, n, prefix, need, 0, 10, BLOCK, MASKED)
     threshold = ~(prefix ^ 0x7FFFFFFF)  # back to the signed key
     buf = buf_ptr + row.to(tl.int64) * KP
     equal_before = 0
@@ -123,17 +129,34 @@ def _radix_select_kernel(s_ptr, buf_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: 
         tl.store(buf + at, packed, mask=sel)
         equal_before += tl.sum(eq.to(tl.int32), axis=0)
         written += tl.sum(sel.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the compaction's stores, by any thread, before the sort's loads
-    slots = tl.arange(0, KP)
-    packed = tl.load(buf + slots, mask=slots < k, other=-9223372036854775808)
-    if SORT:  # (off only to time the passes alone in bench/topk.py; the order is then the columns')
-        packed = tl.sort(packed, descending=True)
+    tl.debug_barrier()  # the compaction's stores, by any thread, before the ordering's loads
+    if ORDER == 2:  # rank by counting among the k selected (distinct packed keys: ranks are a permutation)
+        for i0 in range(0, k, RB):
+            oi = i0 + tl.arange(0, RB)
+            mi = oi < k
+            pi = tl.load(buf + oi, mask=mi, other=-9223372036854775808)
+            rank = tl.zeros([RB], dtype=tl.int32)
+            for j0 in range(0, k, RB):
+                oj = j0 + tl.arange(0, RB)
+                pj = tl.load(buf + oj, mask=oj < k, other=-9223372036854775808)
+                rank += tl.sum(((pj[None, :] > pi[:, None]) & (oj[None, :] < k)).to(tl.int32), axis=1)
+            _store_packed(idx_ptr, val_ptr, row.to(tl.int64) * k + rank, pi, mi)
+    else:
+        slots = tl.arange(0, KP)
+        packed = tl.load(buf + slots, mask=slots < k, other=-9223372036854775808)
+        if ORDER == 1:  # (0 only times the passes alone in bench/topk.py: the order is then the columns')
+            packed = tl.sort(packed, descending=True)
+        _store_packed(idx_ptr, val_ptr, row.to(tl.int64) * k + slots, packed, slots < k)
+
+
+@triton.jit
+def _store_packed(idx_ptr, val_ptr, out, packed, mask):
+    """Unpack ``key << 32 | ~column`` into the column and its float score and store them at ``out``."""
     col = 4294967295 - (packed & 4294967295)
     key = (packed >> 32).to(tl.int32)
     bits = key ^ ((key >> 31) & 0x7FFFFFFF)
-    out = row.to(tl.int64) * k + slots
-    tl.store(idx_ptr + out, col, mask=slots < k)
-    tl.store(val_ptr + out, bits.to(tl.float32, bitcast=True), mask=slots < k)
+    tl.store(idx_ptr + out, col, mask=mask)
+    tl.store(val_ptr + out, bits.to(tl.float32, bitcast=True), mask=mask)
 
 
 def topk_triton(
@@ -143,17 +166,23 @@ def topk_triton(
     radix: int = RADIX,
     block: int | None = None,
     num_warps: int | None = None,
-    sort: bool = True,
+    order: str = ORDER,
+    masked: bool = MASKED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in rank order.
 
-    ``radix``, ``block``, ``num_warps``: the kernel's shape (any gives the same answer; ``bench/topk.py
-    --variants`` times them). ``sort=False`` leaves the selection in column order (timing only)."""
+    ``radix``, ``block``, ``num_warps``, ``order`` (``"sort"``: a bitonic sort of the selected in registers;
+    ``"rank"``: each one's rank counted among the selected), ``masked`` (the histogram's mask argument, or
+    non-matching keys counted into bin 0 and taken back out): the kernel's shape - any gives the same answer
+    (``bench/topk.py --variants`` times them). ``order="none"`` leaves the selection in column order (timing
+    only)."""
     rows, n = _check(scores, k)
     if k > MAX_SORT:  # too many to sort in registers: the same answer through the stable sort
         return topk_reference(scores, k)
     if radix not in (8, 11):
         raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
+    if order not in _ORDERS:
+        raise ValueError(f"top-k: order must be one of {sorted(_ORDERS)}, got {order!r}")
     scores = scores.contiguous()
     few = rows <= FEW_ROWS
     block = block or (BLOCK if few else BLOCK_MANY)
@@ -164,8 +193,8 @@ def topk_triton(
         kp = triton.next_power_of_2(k)
         buf = torch.empty(rows, kp, dtype=torch.int64, device=scores.device)
         _radix_select_kernel[(rows,)](
-            scores, buf, idx, val, n, k, scores.stride(0), BLOCK=block, RADIX=radix, KP=kp, SORT=sort,
-            num_warps=num_warps,
+            scores, buf, idx, val, n, k, scores.stride(0), BLOCK=block, RADIX=radix, KP=kp, ORDER=_ORDERS[order],
+            MASKED=masked, RB=RANK_BLOCK, num_warps=num_warps,
         )  # fmt: skip
     return val, idx
 
