@@ -108,7 +108,6 @@ def gpu_times(scores: torch.Tensor, k: int) -> dict[str, float]:
             print(f"[topk] variant {name!r} failed: {type(e).__name__}: {str(e)[:200]}")
             out[name] = float("nan")
     return out
-    return out
 
 
 def model_rows(args: argparse.Namespace, device: str) -> list[dict]:

@@ -53,8 +53,9 @@ SHAPES = [  # the kernel's shapes (bench/topk.py --variants times them): every o
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_ties_at_the_threshold_are_taken_in_column_order_across_blocks(shape: dict) -> None:
-    # 9,000 columns span three of the kernel's loop blocks; 20 scores above the threshold, 40 at it
-    # (10 in the first block, 30 later): k = 50 takes the first 30 of the 40 in column order
+    # 9,000 columns span several of the kernel's loop blocks (two to nine, by shape); 20 scores above the
+    # threshold, 40 at it (10 in the first 4,096 columns, 30 later): k = 50 takes the first 30 of the 40 in
+    # column order
     g = torch.Generator().manual_seed(3)
     s = -1.0 - torch.rand(1, 9000, generator=g)
     first, later = torch.randperm(4096, generator=g), 4096 + torch.randperm(4904, generator=g)

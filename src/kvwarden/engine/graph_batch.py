@@ -109,9 +109,12 @@ class GraphBatch:
             ids.append(req.all_token_ids[p])
             ids.extend(req.spec_token_ids[: c.num_spec])
             ids.extend([0] * (q - 1 - c.num_spec))
+            last_real = p + c.num_spec
             for j in range(p, p + q):
-                pos.append(j)
-                slots.append(blocks[j // bs] * bs + j % bs if j <= p + c.num_spec else self.pad_slot)
+                # padding rows: the last real row's position (a request near max_model_len would otherwise
+                # address rotary rows past the table), K/V into the unowned slot
+                pos.append(min(j, last_real))
+                slots.append(blocks[j // bs] * bs + j % bs if j <= last_real else self.pad_slot)
             starts.append(p)
             rows.append(blocks)
             first, last = p // bq, (p + q - 1) // bq
