@@ -28,7 +28,7 @@ test: $(STAMP) engines
 	@echo "[test] lint (ruff)"
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
-	@echo "[test] pytest (about 50 minutes on 2 cores; real-engine measurements are printed at the end)"
+	@echo "[test] pytest (about 52 minutes on 2 cores; real-engine measurements are printed at the end)"
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
