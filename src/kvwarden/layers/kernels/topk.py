@@ -10,8 +10,8 @@ number of rows in the launch, on which program ran first, or on thread timing:
    order is the float order (``-0.0`` first made ``+0.0``, as the comparison
    treats them). Four passes over the row count, in integer histograms, how
    many keys share each value of the next 8 bits (or three passes of 11, 11
-   and 10) among the keys that match the prefix found so far; the bin where the count from the top
-   reaches ``k`` extends the prefix. After the passes the prefix *is* the
+   and 10) among the keys that match the prefix found so far; the bin where
+   the count from the top reaches ``k`` extends the prefix. After the passes the prefix *is* the
    ``k``-th largest key ``T``, and ``need`` says how many keys equal to ``T``
    the selection takes. Counting is exact integer arithmetic: its result does
    not depend on the order the counts are added in or on the block size.
@@ -21,8 +21,10 @@ number of rows in the launch, on which program ran first, or on thread timing:
    order). Exactly ``k`` keys are selected.
 3. Order: the ``k`` selected pairs, packed as ``key << 32 | ~column`` (one
    signed 64-bit integer whose order is the total order, every pair distinct),
-   are sorted in the program's registers. A set of distinct keys has one
-   sorted order, whatever order the compaction wrote them in.
+   are sorted in the program's registers (``order="sort"``), or each is written
+   to the slot its exact count of larger packed keys names (``order="rank"``).
+   A set of distinct keys has one sorted order, whatever order the compaction
+   wrote them in, and either way reaches it.
 
 No atomics and no output slot handed out by arrival: the fault of a kernel that
 hands out output slots by an atomic counter is exactly that its order, and under
