@@ -148,6 +148,8 @@ def main() -> None:
                 f"  MTP k=2 b{r['batch']:<3d} off {r['off_tok_s']:8.1f} on {r['on_tok_s']:8.1f} tok/s, "
                 f"accept length {r['accept_length']:.2f}, identical {r['identical']}"
             )
+            console.print(f"      steps off {r['off_steps']}")
+            console.print(f"      steps on  {r['on_steps']}")
     if args.profile:
         got = part(args, "profile", args.profile_model or args.model, "canonical", console)
         if got is not None:

@@ -214,28 +214,48 @@ def spec_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             stride = max(128, (len(ids) - 128) // 16)
             prompts_all = [ids[i * stride : i * stride + 128] for i in range(16)]
         for batch in (1, 16):  # warm-up at the measured shapes: prefill kernels compile on first use
-            engine.generate(prompts_all[:batch], SamplingParams(max_tokens=8, ignore_eos=True))
+            engine.generate(prompts_all[:batch], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         for batch in (1, 16):
+            before = _step_counts(engine.engine)
             sync(args.device)
             t0 = time.perf_counter()
             got = engine.generate(prompts_all[:batch], params)
             sync(args.device)
             outs[name, batch] = (time.perf_counter() - t0, [(o.token_ids, o.logprobs) for o in got])
-        stats = engine.engine.stats()
-        outs[name, "accept"] = 1 + stats["spec_num_accepted_tokens"] / max(stats["spec_num_drafts"], 1)
+            # this batch's own counts (acceptance and how its steps ran), not the warm-up's
+            outs[name, batch, "steps"] = {k: v - before[k] for k, v in _step_counts(engine.engine).items()}
         del engine
     for batch in (1, 16):
         n = batch * 64
+        on = outs["on", batch, "steps"]
         rows.append(
             {
                 "batch": batch,
                 "off_tok_s": n / outs["off", batch][0],
                 "on_tok_s": n / outs["on", batch][0],
-                "accept_length": outs["on", "accept"],
+                "accept_length": 1 + on["accepted"] / max(on["drafts"], 1),
                 "identical": outs["off", batch][1] == outs["on", batch][1],
+                "off_steps": outs["off", batch, "steps"],
+                "on_steps": on,
             }
         )
     return rows
+
+
+def _step_counts(core: Any) -> dict[str, int]:
+    """Engine steps, graph replays (verify ones, MTP drafting ones) and acceptance counts so far."""
+    stats = core.stats()
+    graphs = core.runner.graphs
+    proposer = core.speculator.proposer if core.speculator is not None else None
+    mtp = getattr(proposer, "graphs", None)
+    return {
+        "steps": core.num_steps,
+        "replays": graphs.replays if graphs is not None else 0,
+        "verify_replays": graphs.verify_replays if graphs is not None else 0,
+        "mtp_replays": mtp.replays if mtp is not None else 0,
+        "drafts": stats.get("spec_num_drafts", 0),
+        "accepted": stats.get("spec_num_accepted_tokens", 0),
+    }
 
 
 def profile_steps(model: str, args: argparse.Namespace, vocab: int, batch: int, prompt: int) -> str:

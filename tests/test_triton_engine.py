@@ -168,10 +168,14 @@ def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root:
             assert got == reference, (family, method)
             engine, stats = llm.engine, llm.engine.stats()
             assert engine.runner.graphs is not None and engine.runner.graphs.verify_replays > 0
-            # requests near max_tokens draft fewer than k: padded to the graph's width, not run eagerly
+            # requests near max_tokens draft fewer than k, the one at its last token none: both padded to the
+            # graph's width beside the others, not run eagerly
             assert engine.runner.graphs.padded_replays > 0, (family, method)
+            assert engine.runner.graphs.undrafted_rows > 0, (family, method)
             if method == "mtp":  # the head drafted from its own graph, the very tokens it drafts eagerly
-                assert engine.speculator.proposer.graphs.replays > 0
+                # after every verify replay but the last (everyone finished: nothing to draft)
+                mtp_graphs = engine.speculator.proposer.graphs
+                assert mtp_graphs.replays >= engine.runner.graphs.verify_replays - 1, mtp_graphs.replays
                 eager = make(cuda_graphs="off", speculative_config=spec)
                 eager_drafts = _record_drafts(eager)
                 assert [(o.token_ids, o.logprobs) for o in eager.generate(prompts, params)] == reference

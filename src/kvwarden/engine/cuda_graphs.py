@@ -3,10 +3,11 @@
 A step in which every request computes exactly one token (no prompt scores, no tracer) is padded up
 to the next captured batch size and replayed from a graph captured at start-up: one launch for the
 whole model instead of ~20 Python-dispatched kernels per layer. With speculative decoding, a step in
-which every request verifies the same number ``k`` of drafts (its last token and ``k`` drafts: ``k + 1``
-rows each) replays a verify graph of that width; hybrid models keep every token's recurrent state
-there and return to the last accepted one on the device (:mod:`kvwarden.engine.verified_states`).
-Everything else (prefill, chunked prefill beside decodes, verify steps of mixed widths) runs eagerly.
+which some request verifies drafts replays a verify graph of ``k + 1`` rows per request (its last token
+and ``k`` drafts; a request with fewer drafts, or none, is padded up to the width); hybrid models keep
+every token's recurrent state there and return to the last accepted one on the device
+(:mod:`kvwarden.engine.verified_states`). Everything else (prefill, chunked prefill beside decodes,
+prompt scores, more drafts than a graph holds) runs eagerly.
 
 NOTE(invariance): a graph replays the very kernels an eager step launches, on
 the same compiled code (row counts and block-table widths are never
@@ -137,6 +138,7 @@ class DecodeGraphs:
         self.replays = 0
         self.verify_replays = 0
         self.padded_replays = 0  # verify replays where some request had fewer drafts than the width
+        self.undrafted_rows = 0  # requests without drafts that rode in a verify replay
         self.capture = capture
         self.capture_error: str | None = None
         if capture:
@@ -144,12 +146,11 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ fit
     def width(self, chunks: list[ScheduledChunk]) -> int | None:
-        """Rows per request when the step can replay a graph (one token each, nothing else asked of a row;
-        either no drafts at all or every request at least one, up to what a graph was captured for), else
-        None. A request with fewer drafts than the graph's width is padded (``GraphBatch.stage``).
-
-        NOTE(invariance): a request without drafts is not padded into a verify graph: nothing would
-        return its recurrent state from the padding rows (only a request with drafts is committed)."""
+        """Rows per request when the step can replay a graph (one token each, nothing else asked of a row,
+        up to as many drafts as a graph was captured for), else None. With drafts anywhere in the step, a
+        request with fewer drafts than the graph's width - none at all included - is padded
+        (``GraphBatch.stage``); the recurrent state its padding rows advance is returned to its last real
+        token (:meth:`run`, then the verify commit)."""
         if not chunks or len(chunks) > self.max_size:
             return None
         most = max(c.num_spec for c in chunks)
@@ -157,7 +158,7 @@ class DecodeGraphs:
         if q is None:
             return None
         for c in chunks:
-            if c.num_tokens != 1 or not c.completes or c.request.wants_prompt_scores or (q > 1 and not c.num_spec):
+            if c.num_tokens != 1 or not c.completes or c.request.wants_prompt_scores:
                 return None
         return q
 
@@ -189,9 +190,14 @@ class DecodeGraphs:
         else:
             self.verify_replays += 1
             self.padded_replays += any(c.num_spec + 1 < q for c in chunks)
+            self.undrafted_rows += sum(not c.num_spec for c in chunks)
             if captured.token_states is not None and self.states is not None:
                 index = {c.request.request_id: i for i, c in enumerate(chunks)}
                 verified = VerifiedStates(self.states, captured.token_states, q, index, self.block_size)
+                for c in chunks:
+                    if not c.num_spec:  # no drafts, no verify commit: its state returns to its only token now
+                        # NOTE(invariance): staged before the scheduler publishes the block it may complete
+                        verified.keep(c.request, c.start, 0)
         # Copies: the graph's outputs are overwritten by the next replay of any size.
         rows = n * q
         return GraphStep(captured.hidden[:rows].clone(), captured.logits[:rows].clone(), q, verified)

@@ -10,10 +10,10 @@ query tiles stay aligned to absolute positions (a request's ``q`` rows span at m
 unused second tile points at an empty request, index ``size``, whose zero queries see zero keys), a
 padding request has no queries and runs its recurrence over zero tokens in the state pool's scratch
 slot, and padding rows write their K/V into a slot no block owns. A request with fewer drafts than
-``q - 1`` (near its ``max_tokens``) is padded the same way: its extra rows come after its real ones, so
-causal attention and the scan never carry them into a real row; they write K/V to the unowned slot, their
-logits are not sampled, and the recurrent state they advance is returned to the last kept token by the
-verify commit (which every request with drafts gets: fewer kept than ``q - 1``).
+``q - 1`` (near its ``max_tokens``, or none: an n-gram miss, its last token) is padded the same way: its
+extra rows come after its real ones, so causal attention and the scan never carry them into a real row;
+they write K/V to the unowned slot, their logits are not sampled, and the recurrent state they advance
+is returned to the last kept token (by the verify commit, or at once for a request without drafts).
 """
 
 from __future__ import annotations

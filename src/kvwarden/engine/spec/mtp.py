@@ -63,11 +63,12 @@ class MtpProposer:
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> None:
-        if self._replays(sched, step, ready):
-            assert self.graphs is not None
-            drafts = self.graphs.run(sched.chunks, step.hidden, self._block_ids)
-            for (req, _), tokens in zip(ready, drafts, strict=True):
-                req.spec_token_ids.extend(tokens)
+        rooms = self._graph_rooms(sched, step, ready)
+        if rooms is not None:
+            assert self.graphs is not None and step.hidden is not None
+            drafts = self.graphs.run(sched.chunks, rooms, step.hidden, self._block_ids)
+            for c, tokens in zip(sched.chunks, drafts, strict=True):
+                c.request.spec_token_ids.extend(tokens)
             return
         out = self._fill(sched, step)
         if out is None:
@@ -100,18 +101,26 @@ class MtpProposer:
             ]
             current = self._run(entries, current[torch.tensor(keep, dtype=torch.long, device=current.device)])
 
-    def _replays(self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]) -> bool:
-        """Whether the drafting graph serves this step: it replayed a verify graph, every request goes on
-        with ``k`` drafts of room, none has a grammar (its mask is applied on the host)."""
+    def _graph_rooms(
+        self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]
+    ) -> list[int] | None:
+        """Drafts per chunk when the drafting graph serves this step, else None: the step replayed a verify
+        graph and no request that goes on has a grammar (its mask is applied on the host). Requests that
+        finished draft nothing (0); one with less room than ``k`` keeps the first drafts of the graph's
+        ``k`` (rows are independent: the eager proposer's rounds compute the same ones)."""
         if self.graphs is None or step.replayed != self.k + 1 or step.hidden is None:
-            return False
-        if len(ready) != len(sched.chunks) or any(
-            r is not c.request for (r, _), c in zip(ready, sched.chunks, strict=True)
-        ):
-            return False
-        if any(k != self.k or req.grammar is not None for req, k in ready):
-            return False
-        return all(self._room(req, self.k) == self.k for req, _ in ready)
+            return None
+        want = {req.request_id: (req, k) for req, k in ready}
+        if len(want) != len(ready) or any(req.grammar is not None for req, _ in ready):
+            return None
+        chunk_ids = {c.request.request_id for c in sched.chunks}
+        if not want or any(rid not in chunk_ids for rid in want):
+            return None
+        rooms = []
+        for c in sched.chunks:
+            got = want.get(c.request.request_id)
+            rooms.append(0 if got is None else self._room(got[0], got[1]))
+        return rooms
 
     def _block_ids(self, request_id: str) -> list[int]:
         return self.target.kv.block_ids(request_id)

@@ -1,11 +1,14 @@
 """The MTP head's drafting after a verify graph, replayed from CUDA graphs (one per batch size).
 
-After a step that replayed a verify graph (every request: its last token and ``k`` drafts, ``q = k + 1``
-rows), the head runs over each request's kept rows (its last token and the accepted drafts, the tokens
-at ``p + 1`` being the emitted ones), gathers the row of the newest token on the device, and drafts
-``k`` tokens: ``k`` greedy picks (``argmax``, lowest id on ties) with ``k - 1`` head passes between
-them. All of it is one graph reading the verify graph's own hidden-state output, so a speculative
-step costs two replays and one read-back of the drafts, with no per-request Python in between.
+After a step that replayed a verify graph (every request: its last token and up to ``k`` drafts,
+``q = k + 1`` rows), the head runs over each request's kept rows (its last token and the accepted
+drafts, the tokens at ``p + 1`` being the emitted ones), gathers the row of the newest token on the
+device, and drafts ``k`` tokens: ``k`` greedy picks (``argmax``, lowest id on ties) with ``k - 1`` head
+passes between them. All of it is one graph reading the verify graph's own hidden-state output, so a
+speculative step costs two replays and one read-back of the drafts, with no per-request Python in
+between. A request that finished in the step runs as a padding request; one with room for fewer than
+``k`` drafts (near its ``max_tokens``) skips the rounds it does not need (no queries, K/V to the
+unowned slot) and keeps the first drafts.
 
 NOTE: drafts only decide how many tokens a step may keep, never which (verification chooses every
 token as speculation-off would). The eager proposer picks with the same ``argmax`` over the same
@@ -74,11 +77,15 @@ class MtpGraphs:
             self._capture_all()
 
     # ------------------------------------------------------------------ run
-    def run(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, block_ids: BlockIds) -> list[list[int]]:
-        """The ``k`` drafts of every request of a verify-graph step whose tokens were just emitted."""
+    def run(
+        self, chunks: list[ScheduledChunk], rooms: list[int], hidden: torch.Tensor, block_ids: BlockIds
+    ) -> list[list[int]]:
+        """The drafts of every request of a verify-graph step whose tokens were just emitted: ``rooms[i]``
+        (at most ``k``) for chunk ``i``; a request with no room (finished, or at its last token) drafts
+        nothing and runs as a padding request."""
         n = len(chunks)
         size = self.target.size_for(n)
-        self._stage(chunks, size, block_ids)
+        self._stage(chunks, rooms, size, block_ids)
         captured = self.graphs.get(size)
         if captured is None:
             full = hidden.new_zeros((size * self.q, hidden.shape[1]))
@@ -88,17 +95,32 @@ class MtpGraphs:
             graph, drafts = captured
             graph.replay()
         self.replays += 1
-        return drafts[:n].tolist()
+        return [row[:room] for row, room in zip(drafts[:n].tolist(), rooms, strict=True)]
 
-    def _stage(self, chunks: list[ScheduledChunk], size: int, block_ids: BlockIds) -> None:
+    def _stage(self, chunks: list[ScheduledChunk], rooms: list[int], size: int, block_ids: BlockIds) -> None:
         q, k, bs, bq = self.q, self.k, self.block_size, self.block_q
         ids: list[int] = []
         slots: list[int] = []
         pos: list[int] = []
         kept, starts, nq, tiles, tables = [], [], [], [[], []], []
-        rounds: list[tuple[list[int], list[int]]] = [([], []) for _ in range(k - 1)]
-        for i, c in enumerate(chunks):
+        rounds: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(k - 1)]
+        for i, (c, room) in enumerate(zip(chunks, rooms, strict=True)):
             req = c.request
+            if room == 0:  # a padding request: no queries, its K/V (none) to the unowned slot
+                ids += [0] * q
+                pos += [0] * q
+                slots += [self.pad_slot] * q
+                kept.append(i * q)
+                starts.append(0)
+                nq.append(0)
+                tiles[0] += [size, size]
+                tiles[1] += [0, 0]
+                tables.append([])
+                for r_pos, r_slots, r_nq in rounds:
+                    r_pos.append(0)
+                    r_slots.append(self.pad_slot)
+                    r_nq.append(0)
+                continue
             p, blocks = c.start, block_ids(req.request_id)
             rows = req.num_tokens - 1 - p  # the last token and the accepted drafts: rows p .. num_tokens - 2
             tokens = req.all_token_ids[p + 1 : p + 1 + rows]
@@ -112,10 +134,16 @@ class MtpGraphs:
             tiles[0] += [i, i if last > first else size]
             tiles[1] += [first * bq, last * bq]
             tables.append(blocks)
-            for r, (r_pos, r_slots) in enumerate(rounds):  # round r + 1 writes position num_tokens - 1 + r
+            for r, (r_pos, r_slots, r_nq) in enumerate(rounds):  # round r + 1 writes position num_tokens - 1 + r
+                if r + 2 > room:  # its draft r + 2 is not wanted: the round is padding for this request
+                    r_pos.append(0)
+                    r_slots.append(self.pad_slot)
+                    r_nq.append(0)
+                    continue
                 j = req.num_tokens - 1 + r
                 r_pos.append(j)
                 r_slots.append(blocks[j // bs] * bs + j % bs)
+                r_nq.append(1)
         pad = size - len(chunks)
         ids += [0] * (pad * q)
         pos += [0] * (pad * q)
@@ -124,19 +152,19 @@ class MtpGraphs:
         tiles[0] += [size] * (2 * pad)
         tiles[1] += [0] * (2 * pad)
         longs = [ids, pos, slots]
-        for r_pos, r_slots in rounds:
+        for r_pos, r_slots, _ in rounds:
             longs[1] += r_pos + [0] * pad
             longs[2] += r_slots + [self.pad_slot] * pad
         fill_ints = [starts + [0] * (pad + 1), nq + [0] * (pad + 1), [0] * (size + 1)]
         ints = [fill_ints] + [
             [
                 r_pos + [0] * (pad + 1),
-                [1] * len(chunks) + [0] * (pad + 1),
+                r_nq + [0] * (pad + 1),
                 [j - j % bq for j in r_pos] + [0] * (pad + 1),
             ]
-            for r_pos, _ in rounds
+            for r_pos, _, r_nq in rounds
         ]
-        width = max(len(b) for b in tables)
+        width = max(1, max(len(b) for b in tables))
         table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
         rows = size * q + size * (k - 1)
         self.longs[1:, :rows].copy_(torch.tensor(longs[1:], dtype=torch.long), non_blocking=True)
