@@ -34,6 +34,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=0, help="default: the largest batch")
+    p.add_argument(
+        "--cprofile", type=int, default=0, metavar="N",
+        help="then run each batch once more, unwrapped, under cProfile: the N functions of most own time",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -92,6 +96,25 @@ def instrument(llm: Any, phases: Phases) -> None:
     phases.wrap(eng, "step", "step (all)")
 
 
+def host_profile(run: Callable[..., Any], args: tuple[Any, ...], top: int) -> str:
+    """``run(*args)`` under cProfile: the ``top`` functions by own time, then the engine's own functions
+    by cumulative time (a string table)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run(*args)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("kvwarden", top)  # which of the engine's own calls hold it
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+
+
 def main() -> int:
     args = parse()
     from kvwarden import LLM, SamplingParams
@@ -139,6 +162,10 @@ def main() -> int:
             if prop is not None:
                 for attr in ("_fill", "_run"):
                     prop.__dict__.pop(attr, None)
+        if args.cprofile:  # host time by function, no phase synchronisation (waits show as tolist/item)
+            for batch in batches:
+                print(f"\n{name} b{batch}: cProfile, {args.cprofile} functions of most own time")
+                print(host_profile(llm.generate, (prompts[:batch], params), args.cprofile))
         del llm
     print(f"\nPhases of a step, ms per engine step ({args.model}, {device}, {args.dtype}, MTP k={args.k}):")
     for key, row in results.items():

@@ -48,7 +48,7 @@ import torch
 from kvwarden.cache.paged_kv import PagedKV
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.engine.graph_batch import BlockTables, GraphBatch
-from kvwarden.engine.verified_states import VerifiedStates
+from kvwarden.engine.verified_states import StateReturns, VerifiedStates
 from kvwarden.intmath import round_up
 from kvwarden.models.decoder import DecoderModel
 
@@ -135,6 +135,8 @@ class DecodeGraphs:
             model.ops.device, self.max_size, self.widths[-1], block_size, max_model_len, pad_slot, BLOCK_Q, states
         )
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        verifies = states is not None and len(self.widths) > 1
+        self.returns = StateReturns(states, self.max_size, capture) if verifies and states is not None else None
         self.replays = 0
         self.verify_replays = 0
         self.padded_replays = 0  # verify replays where some request had fewer drafts than the width
@@ -193,7 +195,8 @@ class DecodeGraphs:
             self.undrafted_rows += sum(not c.num_spec for c in chunks)
             if captured.token_states is not None and self.states is not None:
                 index = {c.request.request_id: i for i, c in enumerate(chunks)}
-                verified = VerifiedStates(self.states, captured.token_states, q, index, self.block_size)
+                assert self.returns is not None
+                verified = VerifiedStates(self.states, captured.token_states, q, index, self.block_size, self.returns)
                 for c in chunks:
                     if not c.num_spec:  # no drafts, no verify commit: its state returns to its only token now
                         # NOTE(invariance): staged before the scheduler publishes the block it may complete
@@ -244,5 +247,10 @@ class DecodeGraphs:
                 return
             out.graph = graph
             self.graphs[size, q] = out
+            if self.returns is not None and out.token_states is not None:
+                try:  # the return to the last kept token, too
+                    self.returns.prepare(size, q, out.token_states)
+                except RuntimeError as e:  # it then runs eagerly from the same buffers, loudly
+                    log.warning("state-return graph for batch %d x %d rows not captured: %s", size, q, e)
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for batch sizes %s, %s rows per request", self.sizes, list(self.widths))
