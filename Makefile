@@ -28,8 +28,8 @@ test: $(STAMP) engines
 	@echo "[test] lint (ruff)"
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
-	@echo "[test] pytest (about 52 minutes on 2 cores; real-engine measurements are printed at the end)"
-	$(PY) -m pytest -q
+	@echo "[test] pytest, two workers (real-engine tests on one of them; measurements printed at the end)"
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests bench

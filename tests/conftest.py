@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from kvwarden.models.make_model import make_model
 
-# Tests are CPU-only and must not fight over the 2 cores of a CI machine.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Tests are CPU-only and must not fight over the 2 cores of a CI machine: `make test` runs two
+# pytest-xdist workers, one thread each (two threads each would oversubscribe the cores).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 # Without a GPU, Triton kernels run under Triton's interpreter (read when a kernel module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,13 +24,19 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
+    """Where the session's models are made: under pytest-xdist, one folder all workers share (the
+    run's base folder), each model made once under a file lock (:func:`_made`)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 def _made(root: Path, arch: str, preset: str, seed: int = 0) -> Path:
     out = root / f"{arch}-{preset}-s{seed}"
-    if not (out / "model.safetensors").is_file():
-        make_model(arch, preset, seed, out)
+    with FileLock(str(out) + ".lock"):  # another worker may be writing it
+        if not (out / "model.safetensors").is_file():
+            make_model(arch, preset, seed, out)
     return out
 
 
@@ -64,33 +72,49 @@ def dense_tiny(request: pytest.FixtureRequest, llama_tiny: Path, qwen3_tiny: Pat
 
 # Measurements of engines nobody here wrote (stability, block sizes, cached tokens on this machine):
 # recorded and printed at the end of the run, never asserted - they differ between machines.
-MEASUREMENTS = pytest.StashKey[list[dict[str, Any]]]()
 MEASUREMENTS_FILE = Path(__file__).resolve().parent.parent / "runs" / "real-engines" / "measurements.json"
 
 
+class _Measurements:
+    """Collects ``measure(...)`` entries from test reports (under pytest-xdist the workers send their
+    reports to the controller, which alone collects and prints them) and writes them to a file."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "teardown":  # the properties ride on every phase's report: take them once
+            return
+        got = [value for name, value in report.user_properties if name == "measurement"]
+        if got:
+            self.entries.extend(got)
+            MEASUREMENTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+            MEASUREMENTS_FILE.write_text(json.dumps(self.entries, indent=1, default=str))
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.entries:
+            return
+        terminalreporter.section("measured on this machine (recorded, not asserted)")
+        for e in self.entries:
+            facts = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("test", "what"))
+            terminalreporter.write_line(f"{e['what']}: {facts}")
+        terminalreporter.write_line(f"(also in {MEASUREMENTS_FILE})")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[MEASUREMENTS] = []
+    if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
+        config.pluginmanager.register(_Measurements(), "kvwarden-measurements")
 
 
 @pytest.fixture
 def measure(request: pytest.FixtureRequest) -> Callable[..., None]:
-    """``measure(what, **facts)``: record a measurement of a third-party engine for the run's summary."""
+    """``measure(what, **facts)``: record a measurement of a third-party engine for the run's summary.
+
+    It travels on the test's report (``user_properties``), so under pytest-xdist it reaches the
+    controller, which prints the summary, from the worker that ran the test."""
 
     def record(what: str, **facts: Any) -> None:
         entry = {"test": request.node.name, "what": what, **facts}
-        request.config.stash[MEASUREMENTS].append(entry)
-        MEASUREMENTS_FILE.parent.mkdir(parents=True, exist_ok=True)
-        MEASUREMENTS_FILE.write_text(json.dumps(request.config.stash[MEASUREMENTS], indent=1, default=str))
+        request.node.user_properties.append(("measurement", json.loads(json.dumps(entry, default=str))))
 
     return record
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    entries = config.stash.get(MEASUREMENTS, [])
-    if not entries:
-        return
-    terminalreporter.section("measured on this machine (recorded, not asserted)")
-    for e in entries:
-        facts = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("test", "what"))
-        terminalreporter.write_line(f"{e['what']}: {facts}")
-    terminalreporter.write_line(f"(also in {MEASUREMENTS_FILE})")

@@ -35,7 +35,8 @@ from kvwarden.probe.gguf_convert import convert_to_gguf
 from kvwarden.probe.launchers import engines_dir
 from probe_contract import check_run, check_suite_run
 
-pytestmark = pytest.mark.slow
+# one worker runs these one after another: each starts a real server that wants both cores and GBs of memory
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real-engines")]
 
 LLAMA_SERVER = engines_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
 VLLM_PYTHON = engines_dir() / "vllm" / "bin" / "python"
