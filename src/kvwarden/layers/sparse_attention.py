@@ -11,14 +11,15 @@ NOTE(invariance) - a query's output is a function of its position and the cached
   counts below 12 take another kernel, hence the padding; ``tests/test_dsa.py`` checks it). The
   heads are then folded with explicit element-wise adds in head order (IEEE basic arithmetic: position-
   and width-free), not by a GEMM over heads.
-* Selection: :func:`select_topk` returns the same set *and* order for the same scores - score descending,
-  ties to the lower position - through a stable sort (canonical) or the same total order counted on a
-  GPU (``layers/kernels/topk.py``). Future positions score ``-inf`` and rank after every visible key; a
+* Selection: :func:`select_topk` returns the same set *and* order for the same scores - the set ranked by
+  score descending, ties to the lower position, returned in position order - through ``torch.topk`` with
+  ties redone exactly (canonical) or the same total order counted on a GPU (``layers/kernels/topk.py``).
+  Future positions score ``-inf`` and rank after every visible key; a
   query is always handed exactly ``index_topk`` candidates (``-inf`` fill when its context is shorter),
   so every attention call below has one shape.
 * Attention: ``[q_latent | q_rope] @ [c | k_rope]^T`` and ``P @ [c | 1]`` are ``bmm`` calls with the
   query as the batch index, ``round_up(heads, 4)`` rows, and inner sizes fixed by the model
-  (``kv_lora_rank + qk_rope_head_dim``, then ``index_topk`` keys in rank order): the batch count cannot
+  (``kv_lora_rank + qk_rope_head_dim``, then ``index_topk`` keys in column order): the batch count cannot
   change an element. Candidates that are not visible get probability ``exp(-inf) = 0`` and add exact
   zeros. The softmax max is an exact ``amax``; ``exp`` is the numerics' padded element-wise call.
 
@@ -45,10 +46,11 @@ KEY_TILE = 64  # index-score GEMMs see a key count rounded up to this (zero keys
 
 
 def select_topk(scores: torch.Tensor, k: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, columns)`` of the ``k`` best scores per row of ``[rows, n]`` (``n >= k``), best first.
+    """``(values, columns)`` of the ``k`` best scores per row of ``[rows, n]`` (``n >= k``).
 
-    ``deterministic``: score descending, ties to the lower column (a function of the row alone); else
-    ``torch.topk`` (which of several equal scores it keeps, and their order, unspecified).
+    ``deterministic``: the set ranked by score descending, ties to the lower column (a function of the row
+    alone), returned in column order (as ``kernels/topk.py`` returns it); else ``torch.topk`` (which of
+    several equal scores it keeps, and their order, unspecified).
 
     NOTE(invariance): a row without equal scores among its best ``k`` (and none equal to the ``k``-th left
     out) has exactly one answer, which ``torch.topk`` returns whatever its internals. Every other row is
@@ -65,7 +67,17 @@ def select_topk(scores: torch.Tensor, k: int, deterministic: bool) -> tuple[torc
     if bool(tied.any()):
         rows = tied.nonzero()[:, 0]
         values[rows], columns[rows] = _topk_ties(scores[rows], kth[rows], k)
-    return values, columns
+    return column_order(values, columns)
+
+
+def column_order(values: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection ``(values, columns)`` put in ascending column order (its columns are distinct).
+
+    NOTE(invariance): the order is a function of the set alone; the attention then folds the selected
+    keys in position order, as dense attention does."""
+    columns, order = torch.sort(columns, dim=-1)
+    values = values.gather(-1, order).float() + 0.0  # -0.0 as +0.0, as the kernel's keys make it
+    return values.contiguous(), columns.contiguous()
 
 
 def _topk_ties(scores: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +87,7 @@ def _topk_ties(scores: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.T
     need = k - above.sum(dim=-1, keepdim=True)
     chosen = above | (equal & (torch.cumsum(equal, dim=-1) <= need))
     columns = chosen.nonzero()[:, 1].view(scores.shape[0], k)  # ascending column order within each row
-    ranked = torch.sort(scores.gather(1, columns), dim=-1, descending=True, stable=True)
-    return ranked.values, columns.gather(1, ranked.indices)
+    return scores.gather(1, columns), columns
 
 
 ARRIVAL_PARTITIONS = 8  # parallel partitions of the key range in the arrival-order model
@@ -157,7 +168,7 @@ def index_scores(
 def select_keys(
     scores: torch.Tensor, k: int, arrival: int | None = None, topk: TopK | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions [T, k], visible [T, k])``: each query's ``k`` selected key positions in rank order;
+    """``(positions [T, k], visible [T, k])``: each query's ``k`` selected key positions in column order;
     a query that sees fewer than ``k`` keys gets ``-inf`` candidates (``visible`` false) after them.
 
     ``arrival``: None selects deterministically (``topk``: a function with :func:`select_topk`'s total
@@ -188,7 +199,7 @@ def latent_attention(
     Args:
         q: ``[T, H, L]``: per head the query turned into latent space (``q_nope @ W_uk``) then its rotated
             part; ``L = kv_lora_rank + qk_rope_head_dim``; float32.
-        keys: ``[T, k, L]`` each query's selected cache rows (``[c | k_rope]``) in rank order, float32.
+        keys: ``[T, k, L]`` each query's selected cache rows (``[c | k_rope]``) in column order, float32.
         visible: ``[T, k]`` which candidates the query may attend to.
         kv_lora_rank: ``r``: the latent part of a row (the values are the latent itself).
         scale: softmax scale (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``).

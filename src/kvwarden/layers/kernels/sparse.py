@@ -14,7 +14,7 @@ NOTE(invariance), by construction:
   treats every column of its tile alike; under the interpreter the product is an element-wise multiply
   and an in-order sum, as in ``kernels/gemm.py``). Positions past the query score ``-inf``.
 * ``latent_attention``: one program per (query, block of ``HB`` heads), the query's ``K`` candidates
-  walked in rank order in tiles of ``BK`` with an online softmax: the tile size is a constant, the walk
+  walked in selection (column) order in tiles of ``BK`` with an online softmax: the tile size is a constant, the walk
   order is the selection's (a function of the scores alone), invisible candidates get ``exp(-inf) = 0``.
   The result of a query does not depend on the other queries of the launch.
 """
@@ -103,7 +103,7 @@ def _latent_attention_kernel(
     m = tl.full((HB,), float("-inf"), tl.float32)
     s_sum = tl.zeros((HB,), tl.float32)
     acc = tl.zeros((HB, LP), tl.float32)
-    for k0 in range(0, K, BK):  # NOTE(invariance): fixed tiles in rank order
+    for k0 in range(0, K, BK):  # NOTE(invariance): fixed tiles in selection order
         kk = k0 + tl.arange(0, BK)
         kin = kk < K
         base = t.to(tl.int64) * K + kk
@@ -137,7 +137,7 @@ def latent_attention(
     Args:
         q: ``[T, H, L]`` float32 (``q_nope @ W_uk`` per head, then the rotated part).
         latent: ``[slots, L]`` the layer's latent cache (``[c | k_rope]`` rows).
-        selected: ``[T, K]`` cache slots of each query's candidates in rank order.
+        selected: ``[T, K]`` cache slots of each query's candidates in column order.
         visible: ``[T, K]`` which candidates it may attend to (the first always).
         kv_lora_rank: ``r``; scale: the softmax scale.
     """
