@@ -21,6 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import _made
 from kvwarden import LLM, SamplingParams
 from kvwarden.models.bundled import documents
 
@@ -107,6 +108,40 @@ def test_hybrid_boundary_states_travel_with_their_blocks(qwen3_next_tiny: Path) 
     assert stats["prefix_cache_hits_host"] > 0, stats
     assert out.logprobs == want
     llm.engine.check_integrity()
+
+
+def test_sparse_attention_caches_travel_together_and_the_indexer_race_shows(models_root: Path) -> None:
+    """GLM-5's latent KV and indexer keys are written back, found and loaded together: a host hit gives cold's
+    answer, greedy and seeded. With ``unsafe_indexer_load`` only the indexer reads before its (delayed) load
+    lands - the latent KV still waits, so what changes the answer is the selection (the seed's HiCache race)."""
+    model = _made(models_root, "glm_moe_dsa", "tiny")
+    a, b, fillers = shared_and_fillers()
+    plain = LLM(str(model), enable_prefix_caching=False)
+    want = {key: plain.generate([b], params)[0].logprobs for key, params in (("greedy", PARAMS), ("seeded", SEEDED))}
+    results = {}
+    for race in (False, True):
+        llm = tiered(model, unsafe_indexer_load=race)
+        assert llm.engine.host is not None
+        llm.engine.host.copies.load_delay_s = 0.3  # each layer's copies land 300 ms late (see the wait test)
+        llm.generate([a, *fillers], PARAMS)
+        before = llm.engine.stats()["prefix_cache_hits_host"]
+        out = llm.generate([b], PARAMS)[0]
+        assert llm.engine.stats()["prefix_cache_hits_host"] - before >= 96, "B should come from the host tier"
+        results[race] = out.logprobs == want["greedy"]
+        if not race:
+            for f in fillers:  # out again, then back with a seeded request
+                llm.generate([f], PARAMS)
+            assert llm.generate([b], SEEDED)[0].logprobs == want["seeded"]
+        llm.engine.check_integrity()
+        assert llm.engine.pool.num_free_blocks == llm.engine.num_blocks
+    assert results == {False: True, True: False}, "the safe path must match cold; the indexer's race must not"
+    with pytest.raises(ValueError, match="unsafe_indexer_load: needs a host tier"):
+        LLM(str(model), unsafe_indexer_load=True)
+
+
+def test_the_indexer_race_is_refused_without_an_indexer(llama_tiny: Path) -> None:
+    with pytest.raises(ValueError, match="unsafe_indexer_load: the model has no sparse-attention indexer"):
+        tiered(llama_tiny, unsafe_indexer_load=True)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

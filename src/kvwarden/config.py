@@ -101,6 +101,11 @@ class CacheConfig:
             loaded back layer by layer on a prefix hit; 0 turns it off.
         unsafe_host_load: testing only: read host-loaded blocks without waiting
             for their copy (the race of engines that forgot the wait).
+        unsafe_indexer_load: testing only, sparse attention (GLM-5 / DeepSeek-V3.2):
+            the indexer reads its host-loaded key cache without waiting for the
+            copy while the latent KV still waits - the race of GLM-5's HiCache
+            incident, where the indexer read its own cache before the load had
+            landed (a wrong selection, then other logits).
     """
 
     block_size: int = 16
@@ -110,10 +115,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     host_cache_bytes: int = 0
     unsafe_host_load: bool = False
+    unsafe_indexer_load: bool = False
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.unsafe_indexer_load and not self.host_cache_bytes:
+            raise ValueError("unsafe_indexer_load: needs a host tier (host_cache_bytes > 0): it races its loads")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -50,6 +50,9 @@ class LLM:
             loaded back layer by layer on a prefix hit, with the same logits.
         unsafe_host_load: testing only: read host-loaded blocks without waiting
             for their copy (re-creates a known race; changes the logits).
+        unsafe_indexer_load: testing only: sparse attention's indexer reads its
+            host-loaded keys without waiting (the latent KV still waits): the
+            race of GLM-5's host-cache incident, on the indexer alone.
         unsafe_topk: testing only: sparse attention (GLM-5) selects keys as the
             kernel of a known incident did (bfloat16 scores, ties in partition
             arrival order; the answer then depends on the batch).
@@ -79,6 +82,7 @@ class LLM:
         kernels: str = "auto",
         host_cache_bytes: int = 0,
         unsafe_host_load: bool = False,
+        unsafe_indexer_load: bool = False,
         unsafe_topk: bool = False,
         enforce_eager: bool = False,
         cuda_graphs: str = "auto",
@@ -97,6 +101,7 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 host_cache_bytes=host_cache_bytes,
                 unsafe_host_load=unsafe_host_load,
+                unsafe_indexer_load=unsafe_indexer_load,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -41,9 +41,18 @@ class HostTier:
     """Owns the host pool and the copy engine; the KV managers call it, nothing else does."""
 
     def __init__(
-        self, kv: PagedKV, host: HostPool, copies: CopyEngine, block_size: int, states: StatePool | None = None
+        self,
+        kv: PagedKV,
+        host: HostPool,
+        copies: CopyEngine,
+        block_size: int,
+        states: StatePool | None = None,
+        race_second: bool = False,
     ) -> None:
+        """``race_second``: testing only (``unsafe_indexer_load``): each layer's second tensor (a sparse-attention
+        layer's indexer keys) is loaded by its own copy after the first's, and nobody waits for it."""
         self.kv = kv
+        self.race_second = race_second
         self.host = host
         self.copies = copies
         self.block_size = block_size
@@ -106,7 +115,12 @@ class HostTier:
         self.flush()  # a block being reused must be written out before anything is loaded into it
         slots, ids = [h.slot for h in hits], [b.block_id for b in blocks]
         for layer in range(len(self.kv)):
-            self.kv.add(layer, self.copies.load(self.host.layers[layer], slots, self.kv.raw(layer), ids), load=True)
+            host, dev = self.host.layers[layer], self.kv.raw(layer)
+            if self.race_second:
+                self.kv.add(layer, self.copies.load(host, slots, dev, ids, parts=(0,)), load=True)
+                self.kv.add(layer, self.copies.load(host, slots, dev, ids, parts=(1,)), load=True, race=True)
+            else:
+                self.kv.add(layer, self.copies.load(host, slots, dev, ids), load=True)
         self.loaded_blocks += len(hits)
         self.hit_tokens += len(hits) * self.block_size
 

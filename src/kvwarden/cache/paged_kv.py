@@ -6,7 +6,9 @@ waits for every copy queued for layer ``i`` (loads into its blocks, write-backs
 out of blocks about to be overwritten). A new consumer of the cache cannot
 forget the wait: there is no other handle. ``unsafe_loads`` skips the wait for
 loads only, re-creating the race of engines that read before the load landed
-(testing only: ``--unsafe-host-load``).
+(testing only: ``--unsafe-host-load``); a copy added with ``race=True`` is
+never waited for on the compute path either (``--unsafe-indexer-load``: the
+sparse-attention indexer's keys, loaded by their own copy after the latent KV's).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class PagedKV:
     def __init__(self, layers: list[KV], unsafe_loads: bool = False) -> None:
         self._layers = layers
         self.unsafe_loads = unsafe_loads
-        self._pending: list[list[tuple[Ticket, bool]]] = [[] for _ in layers]
+        self._pending: list[list[tuple[Ticket, bool]]] = [[] for _ in layers]  # (ticket, skip the wait)
         self._issued: list[Ticket] = []
 
     def __len__(self) -> int:
@@ -34,8 +36,8 @@ class PagedKV:
 
     def __getitem__(self, layer: int) -> KV:
         pending, self._pending[layer] = self._pending[layer], []
-        for ticket, load in pending:
-            if not (load and self.unsafe_loads):
+        for ticket, skip in pending:
+            if not skip:
                 ticket.wait()
         return self._layers[layer]
 
@@ -46,9 +48,10 @@ class PagedKV:
         """The tensors without waiting: for the copy engine only (it queues behind the pending copies)."""
         return self._layers[layer]
 
-    def add(self, layer: int, ticket: Ticket, load: bool) -> None:
-        """A copy queued for ``layer``: its next reader waits for it."""
-        self._pending[layer].append((ticket, load))
+    def add(self, layer: int, ticket: Ticket, load: bool, race: bool = False) -> None:
+        """A copy queued for ``layer``: its next reader waits for it (unless it is a load and loads race, or
+        ``race``: testing only). Every copy is still synchronised at the end of the step (:meth:`settle`)."""
+        self._pending[layer].append((ticket, race or (load and self.unsafe_loads)))
         if not any(t is ticket for t in self._issued[-1:]):  # one ticket may serve every layer
             self._issued.append(ticket)
 

@@ -101,10 +101,12 @@ class CopyEngine:
         self._jobs.put((job, ticket))
         return ticket
 
-    def load(self, host: KV, slots: list[int], dev: KV, blocks: list[int]) -> Ticket:
-        """Queue one layer's copy of host ``slots`` into device ``blocks`` (K and V); done when they have landed."""
+    def load(self, host: KV, slots: list[int], dev: KV, blocks: list[int], parts: tuple[int, ...] = (0, 1)) -> Ticket:
+        """Queue one layer's copy of host ``slots`` into device ``blocks`` (``parts``: of its K and V tensors,
+        both by default); done when they have landed."""
         bs = self.block_size
         runs, ordered = slot_runs(slots, blocks)
+        host, dev = tuple(host[i] for i in parts), tuple(dev[i] for i in parts)
 
         def job(ticket: Ticket) -> None:
             if self.load_delay_s:

@@ -40,6 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         help="TESTING ONLY: read host-loaded blocks without waiting for the copy (re-creates a known race)",
     )
     p.add_argument(
+        "--unsafe-indexer-load",
+        action="store_true",
+        help="TESTING ONLY, sparse attention: the indexer reads its host-loaded keys without waiting for the copy "
+        "while the latent KV waits (GLM-5's host-cache race, on the indexer alone; needs --host-cache-bytes)",
+    )
+    p.add_argument(
         "--unsafe-topk",
         action="store_true",
         help="TESTING ONLY: sparse attention (GLM-5) selects keys on bfloat16 scores with ties in partition "
@@ -109,6 +115,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "host_cache_bytes": args.host_cache_bytes,
         "unsafe_host_load": args.unsafe_host_load,
+        "unsafe_indexer_load": args.unsafe_indexer_load,
         "unsafe_topk": args.unsafe_topk,
         "enforce_eager": args.enforce_eager,
     }

@@ -113,7 +113,10 @@ class LLMEngine:
         if cache.host_cache_bytes:
             pool = host_pool_for(self.runner.kv_caches, cache.block_size, cache.host_cache_bytes, self.ops.device)
             copies = CopyEngine(self.ops.device, cache.block_size)
-            self.host = HostTier(self.runner.kv_caches, pool, copies, cache.block_size, self.states)
+            if cache.unsafe_indexer_load and model.cfg.mla is None:
+                raise ValueError("unsafe_indexer_load: the model has no sparse-attention indexer (GLM-5, DeepSeek)")
+            race = cache.unsafe_indexer_load
+            self.host = HostTier(self.runner.kv_caches, pool, copies, cache.block_size, self.states, race)
             self.kv.attach_host(self.host)
         self.speculator: Speculator | None = None
         if self.spec is not None:  # a draft model's engine is one of ours: the factory is this class
