@@ -126,15 +126,17 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
                 assert engine.scheduler.num_preemptions > 0
             engine.check_integrity()
     assert all(runs[key] == runs["off", 256] for key in runs)
-    if family != "dense":  # a follow-up over blocks completed in graph steps hits their staged states
-        llm = _make(model, DTYPES[-1])(max_num_seqs=8, cuda_graphs=graphs)
-        first = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-        follow = prompts[0] + first.token_ids + [7, 8, 9]
-        params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
-        warm = llm.generate([follow], params)[0]
-        assert warm.num_cached_tokens == 16  # blocks [0, 8) and [8, 16): the second completed by decode
-        cold = _make(model, DTYPES[-1])(enable_prefix_caching=False).generate([follow], params)[0]
-        assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
+    # A follow-up over blocks completed in graph steps hits their staged states (hybrids); its uncached tail
+    # (4 tokens), like the first prompt (5), is a prompt's last chunk that replays the query-tile-wide graph.
+    llm = _make(model, DTYPES[-1])(max_num_seqs=8, cuda_graphs=graphs)
+    first = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    follow = prompts[0] + first.token_ids + [7, 8, 9]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
+    warm = llm.generate([follow], params)[0]
+    assert warm.num_cached_tokens == 16  # blocks [0, 8) and [8, 16): the second completed by decode
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.tail_replays >= 2
+    cold = _make(model, DTYPES[-1])(enable_prefix_caching=False).generate([follow], params)[0]
+    assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
 
 
 def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root: Path) -> None:

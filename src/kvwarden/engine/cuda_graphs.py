@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+TAIL_SIZES = 4  # a dense model's prompt-tail graphs: batch sizes up to this
+
+
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (rounded up)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -131,13 +134,18 @@ class DecodeGraphs:
         self.widths = (1, spec_tokens + 1) if 0 < spec_tokens < BLOCK_Q else (1,)
         if spec_tokens >= BLOCK_Q:
             log.info("verify steps of %d drafts run eagerly (graphs hold up to %d)", spec_tokens, BLOCK_Q - 1)
+        # (size, rows per request) captured: decode and verify at every size; the last chunk of a prompt (up
+        # to a query tile, e.g. a warm request's uncached tail) at the smallest sizes - a hybrid keeps every
+        # row's recurrent state in them, so only batch 1 there
+        tails = [s for s in self.sizes if s <= (1 if states is not None else TAIL_SIZES)]
+        self.shapes = sorted({(s, q) for s in self.sizes for q in self.widths} | {(s, BLOCK_Q) for s in tails})
         self.buffers = GraphBatch(
-            model.ops.device, self.max_size, self.widths[-1], block_size, max_model_len, pad_slot, BLOCK_Q, states
+            model.ops.device, self.max_size, BLOCK_Q, block_size, max_model_len, pad_slot, BLOCK_Q, states
         )
         self.graphs: dict[tuple[int, int], _Captured] = {}
-        verifies = states is not None and len(self.widths) > 1
-        self.returns = StateReturns(states, self.max_size, capture) if verifies and states is not None else None
+        self.returns = StateReturns(states, self.max_size, capture) if states is not None else None
         self.replays = 0
+        self.tail_replays = 0  # replays with a prompt's last chunk of several tokens
         self.verify_replays = 0
         self.padded_replays = 0  # verify replays where some request had fewer drafts than the width
         self.undrafted_rows = 0  # requests without drafts that rode in a verify replay
@@ -148,21 +156,19 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ fit
     def width(self, chunks: list[ScheduledChunk]) -> int | None:
-        """Rows per request when the step can replay a graph (one token each, nothing else asked of a row,
-        up to as many drafts as a graph was captured for), else None. With drafts anywhere in the step, a
-        request with fewer drafts than the graph's width - none at all included - is padded
-        (``GraphBatch.stage``); the recurrent state its padding rows advance is returned to its last real
-        token (:meth:`run`, then the verify commit)."""
+        """Rows per request when the step can replay a graph, else None: every chunk is sampled (a decode
+        token with up to as many drafts as a graph holds, or the last chunk of a prompt of up to a query
+        tile of tokens), nothing else asked of a row. A request with fewer rows than the graph's width is
+        padded (``GraphBatch.stage``); the recurrent state its padding rows advance is returned to its last
+        real token (:meth:`run`, or the verify commit for drafts)."""
         if not chunks or len(chunks) > self.max_size:
             return None
-        most = max(c.num_spec for c in chunks)
-        q = 1 if most == 0 else next((w for w in self.widths if w > most), None)
-        if q is None:
-            return None
         for c in chunks:
-            if c.num_tokens != 1 or not c.completes or c.request.wants_prompt_scores:
+            if not c.completes or c.request.wants_prompt_scores or (c.num_tokens > 1 and c.num_spec):
                 return None
-        return q
+        most = max(c.num_tokens + c.num_spec for c in chunks)
+        size = self.size_for(len(chunks))
+        return next((q for s, q in self.shapes if s == size and q >= most), None)
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
         return self.width(chunks) is not None
@@ -190,17 +196,22 @@ class DecodeGraphs:
         if q == 1:
             self._stage_boundaries(chunks)
         else:
-            self.verify_replays += 1
-            self.padded_replays += any(c.num_spec + 1 < q for c in chunks)
-            self.undrafted_rows += sum(not c.num_spec for c in chunks)
+            drafted = any(c.num_spec for c in chunks)
+            self.verify_replays += drafted
+            self.tail_replays += any(c.num_tokens > 1 for c in chunks)
+            self.padded_replays += drafted and any(c.num_spec + 1 < q for c in chunks)
+            self.undrafted_rows += sum(not c.num_spec for c in chunks) if drafted else 0
             if captured.token_states is not None and self.states is not None:
                 index = {c.request.request_id: i for i, c in enumerate(chunks)}
                 assert self.returns is not None
                 verified = VerifiedStates(self.states, captured.token_states, q, index, self.block_size, self.returns)
                 for c in chunks:
-                    if not c.num_spec:  # no drafts, no verify commit: its state returns to its only token now
-                        # NOTE(invariance): staged before the scheduler publishes the block it may complete
-                        verified.keep(c.request, c.start, 0)
+                    if not c.num_spec:  # no drafts, no verify commit: every token is kept, its state returns now
+                        # NOTE(invariance): staged before the scheduler publishes the blocks it completes
+                        verified.keep(c.request, c.start, c.num_tokens - 1)
+                if not drafted:  # nobody else will: return the padded requests to their last token now
+                    verified.flush()
+                    verified = None
         # Copies: the graph's outputs are overwritten by the next replay of any size.
         rows = n * q
         return GraphStep(captured.hidden[:rows].clone(), captured.logits[:rows].clone(), q, verified)
@@ -231,7 +242,7 @@ class DecodeGraphs:
             precompile(self.model.cfg.num_attention_heads, *self.kv.raw(0), self.block_size)
         pool = torch.cuda.graph_pool_handle()
         # largest first: smaller graphs reuse its memory
-        for size, q in sorted(((s, q) for s in self.sizes for q in self.widths), key=lambda sq: -sq[0] * sq[1]):
+        for size, q in sorted(self.shapes, key=lambda sq: -sq[0] * sq[1]):
             self.buffers.clear(size, q)
             self._forward(size, q)  # warm-up: compiles every kernel for this launch shape
             torch.cuda.synchronize()
@@ -253,4 +264,4 @@ class DecodeGraphs:
                 except RuntimeError as e:  # it then runs eagerly from the same buffers, loudly
                     log.warning("state-return graph for batch %d x %d rows not captured: %s", size, q, e)
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for batch sizes %s, %s rows per request", self.sizes, list(self.widths))
+        log.info("captured CUDA graphs (batch size, rows per request): %s", self.shapes)

@@ -1,7 +1,8 @@
 """The static buffers a captured step reads, and how a step's requests are written into them.
 
 A graph of batch ``size`` and width ``q`` computes ``q`` rows per request: ``q = 1`` is a plain decode
-step, ``q = k + 1`` a verify step (the request's last token, then its ``k`` drafts). Every tensor a
+step, ``q = k + 1`` a verify step (the request's last token, then its ``k`` drafts), ``q`` = a query tile
+the last chunk of a prompt (a warm request's uncached tail). Every tensor a
 graph reads is a slice of a buffer allocated once here, so a replay only needs the buffers refilled:
 one host-built copy per buffer per step, no per-request Python inside the step.
 
@@ -94,7 +95,8 @@ class GraphBatch:
             self.ints[3, :size] = self.states.scratch_slot
 
     def stage(self, chunks: list[ScheduledChunk], tables: BlockTables, size: int, q: int) -> None:
-        """Write the step's requests (``q`` rows each: the last token, its drafts, padding up to ``q``)."""
+        """Write the step's requests (``q`` rows each: the chunk's tokens - a decode token, or a prompt's last
+        chunk - then its drafts, then padding up to ``q``)."""
         bs, bq, pad = self.block_size, self.block_q, size - len(chunks)
         ids: list[int] = []
         pos: list[int] = []
@@ -106,10 +108,11 @@ class GraphBatch:
         for i, c in enumerate(chunks):
             p, req = c.start, c.request
             blocks = tables.block_ids(req.request_id)
-            ids.append(req.all_token_ids[p])
+            real = c.num_tokens + c.num_spec
+            ids.extend(req.all_token_ids[p : c.end])
             ids.extend(req.spec_token_ids[: c.num_spec])
-            ids.extend([0] * (q - 1 - c.num_spec))
-            last_real = p + c.num_spec
+            ids.extend([0] * (q - real))
+            last_real = p + real - 1
             for j in range(p, p + q):
                 # padding rows: the last real row's position (a request near max_model_len would otherwise
                 # address rotary rows past the table), K/V into the unowned slot

@@ -141,9 +141,10 @@ class ModelRunner:
             got = self.graphs.run(out.chunks, kv)
             q = got.q
             first = {c.request.request_id: i * q for i, c in enumerate(out.chunks)}
-            # a request with fewer drafts than the graph's width samples its real rows only
+            # a request samples its real rows only: its last token's (a prompt chunk's last), then its drafts'
             sample = {
-                c.request.request_id: list(range(i * q, i * q + 1 + c.num_spec)) for i, c in enumerate(out.chunks)
+                c.request.request_id: list(range(i * q + c.num_tokens - 1, i * q + c.num_tokens + c.num_spec))
+                for i, c in enumerate(out.chunks)
             }
             return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified, q)
         entries: list[BatchEntry] = []
