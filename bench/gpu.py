@@ -137,7 +137,10 @@ def main() -> None:
                 continue  # graphs only change decode steps
             got = part(args, "ttft", model, engine, console)
             for r in got["rows"] if got else []:
-                console.print(f"  TTFT {engine:10s} {r['prompt']:6d} cold {r['cold_s']:.3f} s warm {r['warm_s']:.3f} s")
+                console.print(
+                    f"  TTFT {engine:10s} {r['prompt']:6d} cold {r['cold_s']:.3f} s warm {r['warm_s']:.4f} s "
+                    f"({r['cold_s'] / r['warm_s']:.1f}x; tail {'graph' if r.get('warm_graph') else 'eager'})"
+                )
                 result["ttft"].append(r)
     console.print(f"  batch-1 roofline {roofline:.0f} tok/s")
     if args.spec_model:

@@ -189,8 +189,13 @@ def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[st
                 return time.perf_counter() - t0
 
             cold = timed(prefix + [7] * 16)
+            graphs = engine.engine.runner.graphs
+            tails = graphs.tail_replays if graphs is not None else 0
             warm = timed(prefix + [9] * 16)  # the prefix's blocks are cached now
-            rows.append({"model": model, "engine": name, "prompt": length, "cold_s": cold, "warm_s": warm})
+            # whether the warm request's 16-token tail replayed a graph (else it ran eagerly)
+            tail_graph = graphs is not None and graphs.tail_replays > tails
+            row = {"model": model, "engine": name, "prompt": length, "cold_s": cold, "warm_s": warm}
+            rows.append(row | {"warm_graph": tail_graph})
         del engine
     return rows
 

@@ -55,18 +55,18 @@ import triton.language as tl
 
 from kvwarden.layers.sparse_attention import column_order
 
-# The kernel's shape, measured on the H200 (bench/topk.py --variants; any shape gives the same answer):
-# 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); few rows want long blocks
-# and 16 warps (one program per row is latency-bound), many rows 4,096 and 8 warps; the histogram's mask
-# argument and the bin-0 form time within 3 % of each other.
-BLOCK, WARPS = 8192, 16  # up to FEW_ROWS rows
-BLOCK_MANY, WARPS_MANY = 4096, 8
-FEW_ROWS = 64
+# The kernel's shape, measured on the H200 (bench/topk.py --variants, device time; any shape gives the same
+# answer): 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); one program per
+# row is best with blocks of 4,096 and 8 warps (0.025 ms at 4K keys against 0.054 with 8,192 and 16), the
+# histogram's mask argument and the bin-0 form time within 3 % of each other; up to 16 rows of 16K-64K keys
+# a row split over programs of 4,096 columns takes 0.045-0.062 ms where one program takes 0.08-0.28 (at
+# 256 rows the split is 10-45 % slower: the rows already fill the GPU).
+BLOCK, WARPS = 4096, 8
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
-# Few rows of at least SPLIT_FROM keys: one program per SPLIT_CHUNK columns (5 launches instead of 1).
+# Up to FEW_ROWS rows of at least SPLIT_FROM keys: one program per SPLIT_CHUNK columns (5 launches, not 1).
 SPLIT_CHUNK, SPLIT_BLOCK, SPLIT_WARPS = 4096, 4096, 8
-SPLIT_FROM = 32768
+SPLIT_FROM, FEW_ROWS = 16384, 64
 
 
 @triton.jit
@@ -262,9 +262,8 @@ def topk_triton(
             scores, hist, idx, val, n, k, scores.stride(0), s, CHUNK=split, BLOCK=block, num_warps=warps
         )
         return val, idx
-    few = rows <= FEW_ROWS
-    block = block or (BLOCK if few else BLOCK_MANY)
-    num_warps = num_warps or (WARPS if few else WARPS_MANY)
+    block = block or BLOCK
+    num_warps = num_warps or WARPS
     _radix_select_kernel[(rows,)](
         scores, idx, val, n, k, scores.stride(0), BLOCK=block, RADIX=radix, MASKED=masked, num_warps=num_warps
     )
