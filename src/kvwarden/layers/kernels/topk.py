@@ -60,13 +60,15 @@ from kvwarden.layers.sparse_attention import column_order
 # row is best with blocks of 4,096 and 8 warps (0.025 ms at 4K keys against 0.054 with 8,192 and 16), the
 # histogram's mask argument and the bin-0 form time within 3 % of each other; up to 16 rows of 16K-64K keys
 # a row split over programs of 4,096 columns takes 0.045-0.062 ms where one program takes 0.08-0.28 (at
-# 256 rows the split is 10-45 % slower: the rows already fill the GPU).
+# 256 rows the split is 10-45 % slower: the rows already fill the GPU). The split costs 5 launches: at 16K
+# keys and one row its 0.03 ms of device time saved were less than the extra launches' host time (0.16 ms
+# against one program's 0.11, launch included), so it starts at 32K.
 BLOCK, WARPS = 4096, 8
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
 # Up to FEW_ROWS rows of at least SPLIT_FROM keys: one program per SPLIT_CHUNK columns (5 launches, not 1).
 SPLIT_CHUNK, SPLIT_BLOCK, SPLIT_WARPS = 4096, 4096, 8
-SPLIT_FROM, FEW_ROWS = 16384, 64
+SPLIT_FROM, FEW_ROWS = 32768, 64
 
 
 @triton.jit
