@@ -101,6 +101,14 @@ class _Measurements:
         terminalreporter.write_line(f"(also in {MEASUREMENTS_FILE})")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-engine tests first: under pytest-xdist they run one after another on one worker (their
+    ``xdist_group``), ~20 minutes, so starting them last would leave that worker running alone at the end."""
+    first = [item for item in items if item.get_closest_marker("xdist_group") is not None]
+    if first:
+        items[:] = first + [item for item in items if item.get_closest_marker("xdist_group") is None]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
         config.pluginmanager.register(_Measurements(), "kvwarden-measurements")

@@ -186,9 +186,19 @@ def test_invariance_k_under_concurrency_preemption_and_aborts(
     assert engine.pool.num_free_blocks == engine.num_blocks and engine.host.host.num_pinned == 0
 
 
-def test_the_probe_catches_the_race_and_not_the_safe_path(llama_tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("arch", "race", "delay_ms"),
+    [("llama", "--unsafe-host-load", 50), ("glm_moe_dsa", "--unsafe-indexer-load", 300)],
+    ids=["host-load", "indexer-load"],
+)
+def test_the_probe_catches_the_race_and_not_the_safe_path(
+    arch: str, race: str, delay_ms: int, models_root: Path, tmp_path: Path
+) -> None:
+    """Through real servers: the host arm's B equals the cold arm's with the wait, and not with the race (every
+    load skipped, or - GLM-5's incident - only the sparse-attention indexer's keys)."""
+    model = _made(models_root, arch, "tiny")
     a, b, fl = shared_and_fillers()
-    tier = ["--num-blocks", "40", "--host-cache-bytes", "64M", "--inject-fault", "host-load-delay=50"]
+    tier = ["--num-blocks", "40", "--host-cache-bytes", "64M", "--inject-fault", f"host-load-delay={delay_ms}"]
     verdicts = {}
     for unsafe in (False, True):
         scenario = {
@@ -203,7 +213,7 @@ def test_the_probe_catches_the_race_and_not_the_safe_path(llama_tiny: Path, tmp_
             "arms": {
                 "cold": {"server": {"prefix_caching": False}, "steps": [{"request": "B", "repeat": 2}]},
                 "host": {
-                    "server": {"extra_args": tier + (["--unsafe-host-load"] if unsafe else [])},
+                    "server": {"extra_args": tier + ([race] if unsafe else [])},
                     "steps": [{"request": "A"}] + [{"request": f"F{i}"} for i in range(4)] + [{"request": "B"}],
                 },
             },
@@ -213,7 +223,7 @@ def test_the_probe_catches_the_race_and_not_the_safe_path(llama_tiny: Path, tmp_
         path.write_text(yaml.safe_dump(scenario))
         out = tmp_path / f"run-{unsafe}"
         cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--no-progress", "--json", "--out", str(out)]
-        cmd += ["--launcher", "kvwarden", "--model", str(llama_tiny), "--scenario", str(path)]
+        cmd += ["--launcher", "kvwarden", "--model", str(model), "--scenario", str(path)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode in (0, 1), done.stdout + done.stderr
         summary = json.loads(done.stdout.strip().splitlines()[-1])

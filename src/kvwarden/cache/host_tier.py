@@ -27,6 +27,7 @@ from kvwarden.cache.host_pool import HostPool
 from kvwarden.cache.paged_kv import PagedKV
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.cache.transfer import CopyEngine
+from kvwarden.config import CacheConfig
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,13 @@ class HostTier:
         self.host.check_integrity()
         assert not self._pinned and self.host.num_pinned == 0, "host slots pinned between steps"
         assert not self._evicted, "write-backs left unqueued between steps"
+
+
+def make_host_tier(cache: CacheConfig, kv: PagedKV, device: torch.device, states: StatePool | None) -> HostTier:
+    """The host tier of ``cache.host_cache_bytes`` behind the device tensors ``kv``, with its copy engine."""
+    pool = host_pool_for(kv, cache.block_size, cache.host_cache_bytes, device)
+    copies = CopyEngine(device, cache.block_size)
+    return HostTier(kv, pool, copies, cache.block_size, states, race_second=cache.unsafe_indexer_load)
 
 
 def host_pool_for(kv: PagedKV, block_size: int, num_bytes: int, device: torch.device) -> HostPool:

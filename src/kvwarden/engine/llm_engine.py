@@ -14,13 +14,12 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from kvwarden.cache.block_pool import BlockPool
-from kvwarden.cache.host_tier import HostTier, host_pool_for
+from kvwarden.cache.host_tier import HostTier, make_host_tier
 from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
-from kvwarden.cache.transfer import CopyEngine
 from kvwarden.config import EngineConfig, resolve_device
-from kvwarden.engine.memory import num_cache_blocks
+from kvwarden.engine.memory import context_limit, num_cache_blocks
 from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
@@ -58,21 +57,7 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)  # compiled on first use
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
-        window = self.model_config.sliding_window
-        if window is not None and self.max_model_len > window:
-            # NOTE: with every sequence within the window, full causal attention is exactly the sliding one;
-            # kvwarden has no sliding-window kernel, so longer contexts are refused rather than served wrongly.
-            if config.max_model_len:
-                raise ValueError(
-                    f"max_model_len: {config.max_model_len} exceeds the model's sliding_window ({window}); kvwarden "
-                    f"serves sliding-window models up to the window, where attention is exact: use {window} or less"
-                )
-            log.info("max_model_len: %d (the model's sliding_window; longer contexts are refused)", window)
-            self.max_model_len = window
+        self.max_model_len = context_limit(config.max_model_len, self.model_config)
         cache = config.cache
         model = self.loaded.model
         specs = model.recurrent_specs()
@@ -111,12 +96,9 @@ class LLMEngine:
         )
         self.host: HostTier | None = None
         if cache.host_cache_bytes:
-            pool = host_pool_for(self.runner.kv_caches, cache.block_size, cache.host_cache_bytes, self.ops.device)
-            copies = CopyEngine(self.ops.device, cache.block_size)
             if cache.unsafe_indexer_load and model.cfg.mla is None:
                 raise ValueError("unsafe_indexer_load: the model has no sparse-attention indexer (GLM-5, DeepSeek)")
-            race = cache.unsafe_indexer_load
-            self.host = HostTier(self.runner.kv_caches, pool, copies, cache.block_size, self.states, race)
+            self.host = make_host_tier(cache, self.runner.kv_caches, self.ops.device, self.states)
             self.kv.attach_host(self.host)
         self.speculator: Speculator | None = None
         if self.spec is not None:  # a draft model's engine is one of ours: the factory is this class

@@ -1,7 +1,9 @@
-"""How many bytes the KV pool (and the recurrent-state snapshots that live with its blocks) may take."""
+"""How much the engine may hold: the KV pool's bytes (and the recurrent-state snapshots that live with its
+blocks), and the longest context it serves."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from kvwarden.cache.state_pool import RecurrentLayerSpec, StatePool
@@ -11,6 +13,30 @@ from kvwarden.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvwarden.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
+
+
+def context_limit(max_model_len: int | None, cfg: ModelConfig) -> int:
+    """The longest context served: ``max_model_len`` (default: the model's), never past what the model
+    supports, nor past its sliding window.
+
+    Raises:
+        ValueError: naming ``max_model_len`` when it asks for more than a sliding window.
+    """
+    limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    window = cfg.sliding_window
+    if window is None or limit <= window:
+        return limit
+    # NOTE: with every sequence within the window, full causal attention is exactly the sliding one;
+    # kvwarden has no sliding-window kernel, so longer contexts are refused rather than served wrongly.
+    if max_model_len:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's sliding_window ({window}); kvwarden "
+            f"serves sliding-window models up to the window, where attention is exact: use {window} or less"
+        )
+    log.info("max_model_len: %d (the model's sliding_window; longer contexts are refused)", window)
+    return window
 
 
 def num_cache_blocks(config: EngineConfig, device: str, cfg: ModelConfig, model: DecoderModel) -> int:
