@@ -2,12 +2,13 @@
 
 A step in which every request computes exactly one token (no prompt scores, no tracer) is padded up
 to the next captured batch size and replayed from a graph captured at start-up: one launch for the
-whole model instead of ~20 Python-dispatched kernels per layer. With speculative decoding, a step in
-which some request verifies drafts replays a verify graph of ``k + 1`` rows per request (its last token
-and ``k`` drafts; a request with fewer drafts, or none, is padded up to the width); hybrid models keep
-every token's recurrent state there and return to the last accepted one on the device
-(:mod:`kvwarden.engine.verified_states`). Everything else (prefill, chunked prefill beside decodes,
-prompt scores, more drafts than a graph holds) runs eagerly.
+whole model instead of ~20 Python-dispatched kernels per layer. Wider graphs take more rows per request:
+with speculative decoding ``k + 1`` (its last token and ``k`` drafts), and at the smallest batch sizes a
+query tile (a prompt's last chunk of up to 16 tokens: a warm request's uncached tail); a step replays the
+narrowest that holds its widest request, every request padded up to the width (fewer drafts, none, or a
+short prompt chunk). Hybrid models keep every token's recurrent state there and return to the last real
+or accepted one on the device (:mod:`kvwarden.engine.verified_states`). Everything else (longer or
+unfinished prompt chunks, prompt scores, more drafts than a graph holds) runs eagerly.
 
 NOTE(invariance): a graph replays the very kernels an eager step launches, on
 the same compiled code (row counts and block-table widths are never
@@ -253,6 +254,8 @@ class DecodeGraphs:
             except RuntimeError as e:  # a kernel the capture refused: these steps run eagerly, loudly
                 self.capture_error = f"batch {size} x {q} rows: {e}"
                 self.graphs.clear()
+                if self.returns is not None:  # they read the discarded graphs' buffers
+                    self.returns.graphs.clear()
                 log.warning("CUDA graphs disabled, steps run eagerly: %s", self.capture_error)
                 torch.cuda.synchronize()
                 return

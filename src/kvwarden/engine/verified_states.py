@@ -53,9 +53,10 @@ class VerifiedStates:
         self._restore: list[tuple[Request, int, int]] = []  # (request, index in step, token kept last)
 
     def keep(self, req: Request, start: int, kept: int) -> None:
-        """``req`` keeps its tokens ``start .. start + kept`` (its last token and ``kept`` drafts):
-        stage the boundary states they reach and, after a rejection, queue the return to the state
-        after token ``start + kept`` (done for the whole step by :meth:`flush`)."""
+        """``req`` keeps its rows ``start .. start + kept`` (its last token and ``kept`` accepted drafts, or a
+        prompt chunk's tokens): stage the boundary states they reach and, when rows after them ran (a
+        rejected draft, padding), queue the return to the state after row ``start + kept`` (done for the
+        whole step by :meth:`flush`)."""
         i, last = self.index[req.request_id], self.q - 1
         bs = self.block_size
         for b in range((start // bs + 1) * bs, start + kept + 2, bs):  # boundaries b: states after b - 1
@@ -75,8 +76,8 @@ class VerifiedStates:
         return inputs[i, t + 1 : t + 1 + k1], scans[i * last + t]
 
     def flush(self) -> None:
-        """Return every request that rejected a draft to its last kept token (one replay of the return
-        graph for the step's shape; requests that finished meanwhile are skipped)."""
+        """Return every request queued by :meth:`keep` to its last kept row (one replay of the return graph
+        for the step's shape; requests that finished meanwhile are skipped)."""
         todo = [(r, i, t) for r, i, t in self._restore if not r.is_finished]
         self._restore = []
         if not todo:

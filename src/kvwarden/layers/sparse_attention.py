@@ -56,7 +56,7 @@ def select_topk(scores: torch.Tensor, k: int, deterministic: bool) -> tuple[torc
     out) has exactly one answer, which ``torch.topk`` returns whatever its internals. Every other row is
     redone by :func:`_topk_ties`: from the library it takes only the ``k``-th largest *value* (the same
     whichever equal element was kept), then every score above it and the lowest-column scores equal to it
-    (an exact integer count), ranked by a stable sort in column order. The check is linear in ``n``.
+    (an exact integer count). Either way the set is then put in column order. The check is linear in ``n``.
     """
     values, columns = torch.topk(scores, k, dim=-1)
     if not deterministic or k == 0:

@@ -38,7 +38,13 @@ class DraftModelProposer:
         # As many blocks as the target: a shadow never needs more than its target. On a GPU the
         # target sized its pool first, so leave room with a lower gpu_memory_utilization.
         # The draft keeps its own KV pool only (a host tier for drafts would cost memory and copies for nothing).
-        cache = replace(target.config.cache, num_blocks=target.num_blocks, host_cache_bytes=0, unsafe_host_load=False)
+        cache = replace(
+            target.config.cache,
+            num_blocks=target.num_blocks,
+            host_cache_bytes=0,
+            unsafe_host_load=False,
+            unsafe_indexer_load=False,
+        )
         self.draft = make_engine(replace(target.config, model=spec.model, speculative=None, cache=cache))
         self.target_vocab = target.model_config.vocab_size
         _check_vocabulary(spec.model, self.draft, target)

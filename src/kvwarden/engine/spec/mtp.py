@@ -103,11 +103,13 @@ class MtpProposer:
 
     def _graph_rooms(
         self, sched: SchedulerOutput, step: StepLogits, ready: list[tuple[Request, int]]
-    ) -> list[int] | None:
+    ) -> list[int | None] | None:
         """Drafts per chunk when the drafting graph serves this step, else None: the step replayed a verify
-        graph and no request that goes on has a grammar (its mask is applied on the host). Requests that
-        finished draft nothing (0); one with less room than ``k`` keeps the first drafts of the graph's
-        ``k`` (rows are independent: the eager proposer's rounds compute the same ones)."""
+        graph and no request that goes on has a grammar (its mask is applied on the host). A request that
+        finished is a padding request (None); one with no room left (0: its last token next) still has the
+        head run over its kept rows, as the eager fill does (their head KV may be published); one with less
+        room than ``k`` keeps the first drafts of the graph's ``k`` (rows are independent: the eager
+        proposer's rounds compute the same ones)."""
         if self.graphs is None or step.replayed != self.k + 1 or step.hidden is None:
             return None
         want = {req.request_id: (req, k) for req, k in ready}
@@ -116,10 +118,13 @@ class MtpProposer:
         chunk_ids = {c.request.request_id for c in sched.chunks}
         if not want or any(rid not in chunk_ids for rid in want):
             return None
-        rooms = []
+        rooms: list[int | None] = []
         for c in sched.chunks:
             got = want.get(c.request.request_id)
-            rooms.append(0 if got is None else self._room(got[0], got[1]))
+            if got is not None:
+                rooms.append(self._room(got[0], got[1]))
+            else:
+                rooms.append(None if c.request.is_finished else 0)
         return rooms
 
     def _block_ids(self, request_id: str) -> list[int]:

@@ -78,11 +78,11 @@ class MtpGraphs:
 
     # ------------------------------------------------------------------ run
     def run(
-        self, chunks: list[ScheduledChunk], rooms: list[int], hidden: torch.Tensor, block_ids: BlockIds
+        self, chunks: list[ScheduledChunk], rooms: list[int | None], hidden: torch.Tensor, block_ids: BlockIds
     ) -> list[list[int]]:
         """The drafts of every request of a verify-graph step whose tokens were just emitted: ``rooms[i]``
-        (at most ``k``) for chunk ``i``; a request with no room (finished, or at its last token) drafts
-        nothing and runs as a padding request."""
+        (at most ``k``) for chunk ``i``; 0 runs the head over its kept rows only (its head KV), None (it
+        finished) makes it a padding request."""
         n = len(chunks)
         size = self.target.size_for(n)
         self._stage(chunks, rooms, size, block_ids)
@@ -95,9 +95,9 @@ class MtpGraphs:
             graph, drafts = captured
             graph.replay()
         self.replays += 1
-        return [row[:room] for row, room in zip(drafts[:n].tolist(), rooms, strict=True)]
+        return [row[: room or 0] for row, room in zip(drafts[:n].tolist(), rooms, strict=True)]
 
-    def _stage(self, chunks: list[ScheduledChunk], rooms: list[int], size: int, block_ids: BlockIds) -> None:
+    def _stage(self, chunks: list[ScheduledChunk], rooms: list[int | None], size: int, block_ids: BlockIds) -> None:
         q, k, bs, bq = self.q, self.k, self.block_size, self.block_q
         ids: list[int] = []
         slots: list[int] = []
@@ -106,7 +106,7 @@ class MtpGraphs:
         rounds: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(k - 1)]
         for i, (c, room) in enumerate(zip(chunks, rooms, strict=True)):
             req = c.request
-            if room == 0:  # a padding request: no queries, its K/V (none) to the unowned slot
+            if room is None:  # finished: a padding request, no queries, its K/V (none) to the unowned slot
                 ids += [0] * q
                 pos += [0] * q
                 slots += [self.pad_slot] * q
@@ -125,7 +125,7 @@ class MtpGraphs:
             rows = req.num_tokens - 1 - p  # the last token and the accepted drafts: rows p .. num_tokens - 2
             tokens = req.all_token_ids[p + 1 : p + 1 + rows]
             ids += tokens + [0] * (q - rows)
-            pos += list(range(p, p + q))
+            pos += [min(j, p + rows - 1) for j in range(p, p + q)]  # padding rows: the last real position
             slots += [blocks[j // bs] * bs + j % bs for j in range(p, p + rows)] + [self.pad_slot] * (q - rows)
             kept.append(i * q + rows - 1)
             starts.append(p)
@@ -135,7 +135,7 @@ class MtpGraphs:
             tiles[1] += [first * bq, last * bq]
             tables.append(blocks)
             for r, (r_pos, r_slots, r_nq) in enumerate(rounds):  # round r + 1 writes position num_tokens - 1 + r
-                if r + 2 > room:  # its draft r + 2 is not wanted: the round is padding for this request
+                if r + 2 > (room or 0):  # its draft r + 2 is not wanted: the round is padding for this request
                     r_pos.append(0)
                     r_slots.append(self.pad_slot)
                     r_nq.append(0)

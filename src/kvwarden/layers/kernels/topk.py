@@ -42,9 +42,9 @@ set, follows thread timing.
 
 ``-inf`` marks a column that may not be chosen (beyond the query's causal
 range): its key ranks after every finite one, so a row with fewer than ``k``
-finite scores is filled with the lowest such columns, which come after its
-finite ones in column order. NaN is not a score (it has no place in the order):
-callers must not produce it.
+finite scores is filled with the lowest such columns (with a causal mask those
+lie past every visible one, so they come last in column order). NaN is not a
+score (it has no place in the order): callers must not produce it.
 """
 
 from __future__ import annotations
