@@ -116,26 +116,22 @@ class MtpGraphs:
                 tiles[0] += [size, size]
                 tiles[1] += [0, 0]
                 tables.append([])
-                for r_pos, r_slots, r_nq in rounds:
-                    r_pos.append(0)
-                    r_slots.append(self.pad_slot)
-                    r_nq.append(0)
-                continue
-            p, blocks = c.start, block_ids(req.request_id)
-            rows = req.num_tokens - 1 - p  # the last token and the accepted drafts: rows p .. num_tokens - 2
-            tokens = req.all_token_ids[p + 1 : p + 1 + rows]
-            ids += tokens + [0] * (q - rows)
-            pos += [min(j, p + rows - 1) for j in range(p, p + q)]  # padding rows: the last real position
-            slots += [blocks[j // bs] * bs + j % bs for j in range(p, p + rows)] + [self.pad_slot] * (q - rows)
-            kept.append(i * q + rows - 1)
-            starts.append(p)
-            nq.append(rows)
-            first, last = p // bq, (p + rows - 1) // bq
-            tiles[0] += [i, i if last > first else size]
-            tiles[1] += [first * bq, last * bq]
-            tables.append(blocks)
+            else:
+                p, blocks = c.start, block_ids(req.request_id)
+                rows = req.num_tokens - 1 - p  # the last token and the accepted drafts: rows p .. num_tokens - 2
+                tokens = req.all_token_ids[p + 1 : p + 1 + rows]
+                ids += tokens + [0] * (q - rows)
+                pos += [min(j, p + rows - 1) for j in range(p, p + q)]  # padding rows: the last real position
+                slots += [blocks[j // bs] * bs + j % bs for j in range(p, p + rows)] + [self.pad_slot] * (q - rows)
+                kept.append(i * q + rows - 1)
+                starts.append(p)
+                nq.append(rows)
+                first, last = p // bq, (p + rows - 1) // bq
+                tiles[0] += [i, i if last > first else size]
+                tiles[1] += [first * bq, last * bq]
+                tables.append(blocks)
             for r, (r_pos, r_slots, r_nq) in enumerate(rounds):  # round r + 1 writes position num_tokens - 1 + r
-                if r + 2 > (room or 0):  # its draft r + 2 is not wanted: the round is padding for this request
+                if r + 2 > (room or 0):  # its draft r + 2 is not wanted (or it finished): padding in this round
                     r_pos.append(0)
                     r_slots.append(self.pad_slot)
                     r_nq.append(0)
