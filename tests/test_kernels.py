@@ -9,6 +9,7 @@ tolerance fitting the dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -106,6 +107,12 @@ def test_pointwise_kernels(dtype: torch.dtype) -> None:
     y = pointwise.silu_mul(gate, up)
     assert close(y, torch.nn.functional.silu(gate.double()) * up.double(), dtype)
     assert same(pointwise.silu_mul(gate[3:4], up[3:4]), y[3:4])
+    # the two halves of a fused gate/up projection, read in place (strided rows): the same bits
+    fused = torch.cat([gate, up], dim=1)
+    halves = fused.split(33, dim=1)
+    assert halves[0].stride(0) == 66
+    assert same(pointwise.silu_mul(*halves), y)
+    assert same(pointwise.silu_mul(gate.view(7, 3, 11), up.view(7, 3, 11)), y.view(7, 3, 11))  # any shape
 
 
 @pytest.mark.parametrize("rot", [16, 8])
@@ -150,6 +157,37 @@ def test_rotary_fused_with_the_kv_write_gives_the_same_bits(dtype: torch.dtype, 
     untouched = torch.ones(32, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rot", "w_dtype"), [(16, None), (8, None), (16, torch.float32)])
+def test_qk_norm_fused_into_the_rotary_write_gives_the_same_bits(
+    dtype: torch.dtype, rot: int, w_dtype: torch.dtype | None
+) -> None:
+    """Qwen3's per-head q/k RMSNorm inside the rotary + KV-write launch, against the row kernel, then rotary,
+    then the write: partial rotary (the unrotated lanes keep the normalised value) and Qwen3-Next's float32
+    ``1 + w`` weights (scaled in float32, rounded once) included."""
+    g = gen(7)
+    rope = RotaryEmbedding(16, rot, {"rope_type": "default", "rope_theta": 10000.0}, 64)
+    cos, sin = rope.cos[:, :rot].contiguous().to(DEVICE), rope.sin[:, :rot].contiguous().to(DEVICE)
+    tokens, hq, hkv, d, eps = 6, 4, 2, 16, 1e-6
+    qkv = rand(g, tokens, (hq + 2 * hkv) * d, dtype=dtype, scale=3.0)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    q_w, k_w = (rand(g, d, dtype=w_dtype or dtype) + 1.0 for _ in range(2))
+    assert rotary.fusable_norm(q, q_w, k_w)
+    pos = torch.tensor([0, 7, 8, 40, 63, 1], device=DEVICE)
+    slots = torch.tensor([9, 2, 30, 17, 4, 11], device=DEVICE)
+    k_cache, v_cache = (torch.zeros(32, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    q_out = rotary.rope_write_kv(q, k, v, pos, cos, sin, k_cache, v_cache, slots, (q_w, k_w, eps))
+    q_n = rows.rms_norm(q.reshape(-1, d), q_w, eps)[0].view(tokens, hq, d)
+    k_n = rows.rms_norm(k.reshape(-1, d), k_w, eps)[0].view(tokens, hkv, d)
+    assert same(q_out, rotary.apply_rotary(q_n, pos, cos, sin))
+    assert same(k_cache[slots], rotary.apply_rotary(k_n, pos, cos, sin))
+    assert same(v_cache[slots], v.contiguous())
+    ref = torch.nn.functional.rms_norm(q.double(), (d,), q_w.double(), eps)  # the norm itself, before rotary
+    assert close(rotary.apply_rotary(q_n, pos, cos, sin), rope.apply(ref.cpu(), pos.cpu()).to(DEVICE), dtype)
+    # a weight that would promote the rows' dtype is not fused (the caller norms first)
+    assert not rotary.fusable_norm(q.to(torch.bfloat16), q_w.float().double(), k_w.double())
 
 
 def _paged(g: torch.Generator, lengths: list[int], hkv: int, d: int, block: int, dtype: torch.dtype):
@@ -201,6 +239,10 @@ def test_attention_is_the_same_for_prefill_chunks_decode_and_batch(
         walked = attention.paged_attention(q, k, v, meta, block, scale, parallel_splits=False)
         # the flash-decoding form (a program per split, then the fold) gives the same bits
         assert same(attention.paged_attention(q, k, v, meta, block, scale, parallel_splits=True), walked)
+        # a captured graph knows only a bound on the contexts (the longest served): the splits past a
+        # tile's keys exit at once, and the fold stops before them
+        bounded = dataclasses.replace(meta, max_keys=meta.max_keys + 3 * attention.SPLIT)
+        assert same(attention.paged_attention(q, k, v, bounded, block, scale, parallel_splits=True), walked)
         return walked
 
     whole = run([(0, 0, 70)])

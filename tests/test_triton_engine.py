@@ -94,13 +94,15 @@ def test_triton_kernels_on_a_cpu_need_the_interpreter(llama_tiny: Path, monkeypa
             LLM(str(llama_tiny), device="cuda")
 
 
-@pytest.mark.parametrize("family", ["dense", "qwen3_next", "granite_hybrid"])
+@pytest.mark.parametrize("family", ["dense", "qwen3_next", "granite_hybrid", "glm_moe_dsa"])
 def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny: Path, models_root: Path) -> None:
     """Pure decode steps through the CUDA-graph path (captured on a GPU; on the CPU the same padded
     static-buffer step, uncaptured) against every step eager: batch sizes padded up (5 -> 8, 3 -> 4),
     requests finishing at different steps, chunked prefills beside decodes, preemption in a small pool.
     Hybrids: recurrent states through the static slot buffer (padding rows in the scratch slot), block
-    boundaries reached during graph steps staged for the prefix cache, sparse MoE routed on the device."""
+    boundaries reached during graph steps staged for the prefix cache, sparse MoE routed on the device.
+    Sparse attention (GLM-5): the key table built on the device as wide as the longest context served,
+    the top-k pruning (8 of up to 20 keys) as eagerly."""
     model = llama_tiny if family == "dense" else _made(models_root, family, "tiny")
     rng = random.Random(4)
     prompts = [random_tokens(rng, n, 1000) for n in (5, 19, 11, 30, 8)]
@@ -112,10 +114,12 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
     graphs = "auto" if GPU else "emulate"
     runs = {}
     # Granite: the interpreter is slow; the slot buffer's preemption path is the same code for both hybrids
-    pools = (256,) if family == "granite_hybrid" else (256, small)
+    pools = (256,) if family in ("granite_hybrid", "glm_moe_dsa") else (256, small)
+    # DSA: a graph scores every key position served, which the interpreter walks one by one
+    longest = {"max_model_len": 128} if family == "glm_moe_dsa" else {}
     for mode in ("off", graphs):
         for num_blocks in pools:
-            llm = _make(model, DTYPES[-1])(max_num_seqs=8, num_blocks=num_blocks, cuda_graphs=mode)
+            llm = _make(model, DTYPES[-1])(max_num_seqs=8, num_blocks=num_blocks, cuda_graphs=mode, **longest)
             outs = llm.generate(prompts, params)
             runs[mode, num_blocks] = [(o.token_ids, o.logprobs, o.sampled_logprobs) for o in outs]
             engine = llm.engine
@@ -128,14 +132,14 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(family: str, llama_tiny
     assert all(runs[key] == runs["off", 256] for key in runs)
     # A follow-up over blocks completed in graph steps hits their staged states (hybrids); its uncached tail
     # (4 tokens), like the first prompt (5), is a prompt's last chunk that replays the query-tile-wide graph.
-    llm = _make(model, DTYPES[-1])(max_num_seqs=8, cuda_graphs=graphs)
+    llm = _make(model, DTYPES[-1])(max_num_seqs=8, cuda_graphs=graphs, **longest)
     first = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     follow = prompts[0] + first.token_ids + [7, 8, 9]
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
     warm = llm.generate([follow], params)[0]
     assert warm.num_cached_tokens == 16  # blocks [0, 8) and [8, 16): the second completed by decode
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.tail_replays >= 2
-    cold = _make(model, DTYPES[-1])(enable_prefix_caching=False).generate([follow], params)[0]
+    cold = _make(model, DTYPES[-1])(enable_prefix_caching=False, **longest).generate([follow], params)[0]
     assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
 
 

@@ -31,6 +31,10 @@ specialised), so a row computes the same bits in a graph as eagerly:
 * sparse MoE routes and dispatches on the device with shapes fixed by the row
   count (``kernels/moe.py``): a padding row's pairs sit in expert tiles beside
   real ones, which the tiles' row independence makes harmless;
+* sparse attention (DSA) builds its key table from the static block tables on
+  the device, as wide as the longest context served: the columns past a
+  request's context score ``-inf`` and are never selected ahead of a visible
+  key (``models/mla_block._key_table``), so the selection is the eager one;
 * only backends with no host-side decisions inside a step are captured: on the
   CPU, recurrent layers walk requests and MoE walks experts on the host.
 
@@ -72,8 +76,8 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 
 def graph_capable(model: DecoderModel) -> str | None:
     """Why ``model``'s decode step cannot be captured, or None when it can."""
-    if model.cfg.mla is not None:
-        return "sparse attention (DSA) builds each step's key table on the host"
+    if model.cfg.mla is not None and not hasattr(model.ops, "k_attention"):
+        return "sparse attention (DSA) on the shape-dependent backend selects keys request by request on the host"
     if model.cfg.recurrent_layers and not model.ops.batched_recurrent:
         return "recurrent layers address their states per request on the host (CPU backends)"
     if model.cfg.moe is not None and not model.ops.device_moe:
@@ -239,7 +243,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         from kvwarden.layers.kernels.attention import precompile
 
-        if len(self.kv):  # the eager prefill kernels too: no request pays a first-use compile
+        if len(self.kv) and self.model.cfg.mla is None:  # the eager prefill kernels too: no first-use compile
             precompile(self.model.cfg.num_attention_heads, *self.kv.raw(0), self.block_size)
         pool = torch.cuda.graph_pool_handle()
         # largest first: smaller graphs reuse its memory

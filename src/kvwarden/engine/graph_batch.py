@@ -152,6 +152,9 @@ class GraphBatch:
         from kvwarden.layers.kernels.attention import AttentionMeta  # Triton: GPU backends only
 
         rows = size * q
+        # NOTE: the longest context served bounds every replay's: its splits run in parallel at the small
+        # sizes (a long context's decode or warm tail); a split past a tile's keys exits at once
+        bound = self.tables.shape[1] * self.block_size
         if q == 1:  # one tile per request, its own
             meta = AttentionMeta(
                 seq_row0=self.arange[:size],
@@ -160,6 +163,7 @@ class GraphBatch:
                 block_tables=self.tables[:size],
                 tile_seq=self.arange[:size],
                 tile_pos0=self.ints[2, :size],
+                max_keys=bound,
             )
         else:
             fixed = self.fixed(size, q)
@@ -170,6 +174,7 @@ class GraphBatch:
                 block_tables=self.tables[: size + 1],
                 tile_seq=self.tiles[0, : 2 * size],
                 tile_pos0=self.tiles[1, : 2 * size],
+                max_keys=bound,
             )
         recurrent = None
         if self.states is not None:  # boundary states are staged after the step, from the kept states

@@ -80,6 +80,9 @@ def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: lis
     # sampled rows' float32 logits; doubled for allocator slack
     activations = 2 * sched.max_num_batched_tokens * 4 * (8 * cfg.hidden_size + 4 * width)
     activations += 2 * sched.max_num_seqs * 4 * cfg.vocab_size
+    from kvwarden.layers.kernels.attention import PARALLEL_MAX_BYTES  # Triton: CUDA only
+
+    activations += PARALLEL_MAX_BYTES  # attention's split states (a long context's decode, in or out of graphs)
     budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - working - activations
     if budget <= 0:
         raise ValueError(

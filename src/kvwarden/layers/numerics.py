@@ -164,9 +164,15 @@ class Ops:
         positions: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         slots: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        """Rotate ``q`` and ``k`` (when the model uses rope), write K/V at ``slots``; returns rotated ``q``.
-        The GPU backend does all of it in one kernel."""
+        """Normalise ``q`` and ``k`` per head (``qk_norm``: Qwen3's ``(q_weight, k_weight, eps)``), rotate them
+        (when the model uses rope), write K/V at ``slots``; returns the rotated ``q``. The GPU backend does all
+        of it in one kernel."""
+        if qk_norm is not None:
+            q_w, k_w, eps = qk_norm
+            q = self.rms_norm(q.reshape(-1, q.shape[-1]), q_w, eps).view(q.shape)
+            k = self.rms_norm(k.reshape(-1, k.shape[-1]), k_w, eps).view(k.shape)
         if rope is not None:
             q, k = self.rope(rope, q, positions), self.rope(rope, k, positions)
         self.write_kv(kv, slots, k, v)

@@ -51,12 +51,15 @@ class AttentionBlock:
         q = q.reshape(rows, cfg.num_attention_heads, d)
         k = k.reshape(rows, cfg.num_key_value_heads, d)
         v = v.reshape(rows, cfg.num_key_value_heads, d)
+        norms = None
         if self.q_norm is not None and self.k_norm is not None:
-            q = ops.rms_norm(q.reshape(-1, d), self.q_norm, cfg.rms_norm_eps).view(q.shape)
-            k = ops.rms_norm(k.reshape(-1, d), self.k_norm, cfg.rms_norm_eps).view(k.shape)
-        if batch.tracer is None:
-            q = ops.rope_write_kv(self.rope, q, k, v, batch.positions, kv, batch.slot_mapping)
+            norms = (self.q_norm, self.k_norm, cfg.rms_norm_eps)
+        if batch.tracer is None:  # one kernel on a GPU: per-head norms, rotary, the K/V write
+            q = ops.rope_write_kv(self.rope, q, k, v, batch.positions, kv, batch.slot_mapping, norms)
         else:  # the same steps one by one, so that rotated K can be recorded
+            if norms is not None:
+                q = ops.rms_norm(q.reshape(-1, d), norms[0], norms[2]).view(q.shape)
+                k = ops.rms_norm(k.reshape(-1, d), norms[1], norms[2]).view(k.shape)
             if self.rope is not None:
                 q = ops.rope(self.rope, q, batch.positions)
                 k = ops.rope(self.rope, k, batch.positions)

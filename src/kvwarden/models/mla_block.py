@@ -186,13 +186,20 @@ class MlaBlock:
 
 
 def _key_table(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cache slots [requests, context], request of each query row [rows])`` of the step's requests."""
-    seqs = batch.plan.seqs
-    width = max(s.start_pos + s.num_queries for s in seqs)
-    table = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        table[i, : s.start_pos + s.num_queries] = s.slots[: s.start_pos + s.num_queries]
-    req = torch.repeat_interleave(
-        torch.arange(len(seqs), dtype=torch.int32), torch.tensor([s.num_queries for s in seqs])
-    )
-    return table.to(device), req.to(device)
+    """``(cache slots [requests, width], request of each query row [rows])`` of the step's requests, built
+    on the device from the attention plan's block tables (no per-request host work, so a CUDA graph
+    captures it): ``width`` is the step's longest context eagerly, the longest served in a graph.
+
+    NOTE(invariance): the columns past a request's context (a longer partner's, or a graph's bound) hold
+    other slots than an exact table would, but no query reads them: ``index_scores`` gives them ``-inf``
+    without loading a key, and a ``-inf`` candidate is invisible (its slot is column 0's). Trailing
+    ``-inf`` columns change no selection: the top-k's order is a function of the scores alone.
+    """
+    meta = batch.plan.meta  # the Triton backend's AttentionMeta
+    bs = batch.block_size
+    width = meta.max_keys or meta.block_tables.shape[1] * bs
+    cols = torch.arange(width, device=device)
+    table = meta.block_tables[:, cols // bs].long() * bs + cols % bs
+    rows = torch.arange(batch.positions.shape[0], dtype=meta.seq_row0.dtype, device=device)
+    req = torch.searchsorted(meta.seq_row0, rows, right=True) - 1  # row starts ascend; a request's rows follow
+    return table, req.to(torch.int32)

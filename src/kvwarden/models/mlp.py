@@ -41,7 +41,7 @@ class GraniteMLP:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.ops.linear(h, self.w_in).chunk(2, dim=-1)
-        return self.ops.linear(self.ops.silu_mul(gate.contiguous(), up.contiguous()), self.w_out)
+        return self.ops.linear(self.ops.silu_mul(gate, up), self.w_out)
 
 
 class SparseMoE:

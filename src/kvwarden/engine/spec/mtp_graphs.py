@@ -178,6 +178,7 @@ class MtpGraphs:
         q, rows = self.q, size * self.q
         lo, hi = (0, rows) if r == 0 else (rows + (r - 1) * size, rows + r * size)
         ints = self.ints[r]
+        bound = self.tables.shape[1] * self.block_size  # the longest context served (graph_batch.py)
         if r == 0:
             meta = AttentionMeta(
                 seq_row0=self.arange[: size + 1] * q,
@@ -186,6 +187,7 @@ class MtpGraphs:
                 block_tables=self.tables[: size + 1],
                 tile_seq=self.tiles[0, : 2 * size],
                 tile_pos0=self.tiles[1, : 2 * size],
+                max_keys=bound,
             )
         else:
             meta = AttentionMeta(
@@ -195,6 +197,7 @@ class MtpGraphs:
                 block_tables=self.tables[:size],
                 tile_seq=self.arange[:size],
                 tile_pos0=ints[2, :size],
+                max_keys=bound,
             )
         return ForwardBatch(
             input_ids=ids,

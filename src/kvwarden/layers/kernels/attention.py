@@ -48,9 +48,10 @@ BLOCK_Q = 16  # query positions per tile (aligned to absolute position)
 BLOCK_N = 32  # keys per tile (aligned to key position 0)
 SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order
 # When splits run in parallel (speed only: the bits are the same either way): launches of fewer
-# (tile, head) programs than this, whose split states fit in this many programs' buffers.
+# (tile, head) programs than this, whose split states fit in this many programs' buffers and bytes.
 FEW_PROGRAMS = 512
 PARALLEL_MAX_PROGRAMS = 1 << 15
+PARALLEL_MAX_BYTES = 128 << 20  # the split states' float32 buffers (the memory budget reserves them)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ class AttentionMeta:
         block_tables: ``[requests, max_blocks]`` int32 KV block ids.
         tile_seq, tile_pos0: per query tile, its request and the absolute position
             of its first slot (a multiple of ``BLOCK_Q``).
-        max_keys: the longest context (host-known; chooses parallel splits).
+        max_keys: a bound on the step's longest context, which sizes the parallel splits: the
+            exact figure in an eager step, the longest context served in a captured graph (whose
+            steps' contexts vary; splits past a tile's keys then exit at once). 0: walk the splits.
     """
 
     seq_row0: torch.Tensor
@@ -72,7 +75,7 @@ class AttentionMeta:
     block_tables: torch.Tensor
     tile_seq: torch.Tensor
     tile_pos0: torch.Tensor
-    max_keys: int = 0  # the longest context in the step (0: unknown, as in a captured graph)
+    max_keys: int = 0
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str) -> AttentionMeta:
@@ -262,6 +265,20 @@ def _attention_fold_kernel(
     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
+def split_in_parallel(tiles: int, hkv: int, nsplit: int, rows: int, block_d: int) -> bool:
+    """Whether a launch runs its splits in parallel: several splits, few (tile, head) programs (a long
+    context's decode or short tail, where walking the splits would leave most of the GPU idle), and
+    split states within the program and byte budgets. A speed choice only (module docstring)."""
+    programs = tiles * hkv
+    state_bytes = programs * nsplit * rows * (block_d + 2) * 4
+    return (
+        nsplit > 1
+        and programs < FEW_PROGRAMS
+        and programs * nsplit <= PARALLEL_MAX_PROGRAMS
+        and state_bytes <= PARALLEL_MAX_BYTES
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -291,8 +308,9 @@ def paged_attention(
     const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=BLOCK_Q)
     ieee = q.dtype == torch.float32
     nsplit = cdiv(meta.max_keys, SPLIT) if meta.max_keys else 0
+    m = BLOCK_Q * rp
     if parallel_splits is None:
-        parallel_splits = nsplit > 1 and tiles * hkv * nsplit <= PARALLEL_MAX_PROGRAMS and tiles * hkv < FEW_PROGRAMS
+        parallel_splits = split_in_parallel(tiles, hkv, nsplit, m, block_d)
     if not parallel_splits or nsplit < 1:
         _attention_kernel[(tiles, hkv)](
             q, k_cache, v_cache, out,
@@ -301,7 +319,6 @@ def paged_attention(
             **const, BN=BLOCK_N, SPLIT_=SPLIT, IEEE=ieee, num_warps=4, num_stages=2,
         )  # fmt: skip
         return out
-    m = BLOCK_Q * rp
     m_buf = torch.empty((tiles * hkv * nsplit * m,), dtype=torch.float32, device=q.device)
     l_buf = torch.empty_like(m_buf)
     acc_buf = torch.empty((tiles * hkv * nsplit * m, block_d), dtype=torch.float32, device=q.device)
