@@ -17,7 +17,11 @@ Rows (kvwarden canonical = invariant Triton kernels; fast path = cuBLAS + SDPA):
 5. the hybrid model (``--hybrid``) beside the dense one for rows 1 (kvwarden's
    engines), 2 and 3, and its ratio to the dense model per row;
 6. ``--spec-model``: speculative decoding with the model's MTP head (k = 2)
-   against speculation off, batch 1 and 16: tok/s, accept length, equal output.
+   against speculation off, batch 1 and 16: tok/s, accept length, equal output;
+7. ``--online``: ``kvwarden serve`` under ``bench/online.py``'s client at
+   concurrency 1, 16 and 64 (TTFT, TPOT, tok/s), canonical beside the fast path;
+8. ``--shared-prefix``: offline, groups of requests over a few long system
+   prompts against the same lengths unshared (``bench/gpu_serving.py``).
 
     python bench/gpu.py                                  # on a GPU: qwen3-0.6b and qwen3_next-0.6b
     python bench/gpu.py --device cpu --dtype float32 --model builtin:llama-tiny --hybrid builtin:qwen3_next-tiny --quick
@@ -36,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_rows import NUMERICS, copy_bandwidth, floor_seconds, model_bytes, run_part, vocab_of, workload
+from gpu_serving import print_rows, run_serving_part
 
 
 def part(args: argparse.Namespace, name: str, model: str, engine: str, console: Any) -> dict[str, Any] | None:
@@ -72,6 +77,8 @@ def main() -> None:
     p.add_argument("--skip-transformers", action="store_true", help="offline rows of kvwarden only")
     p.add_argument("--skip-dense-rows", action="store_true", help="decode and TTFT rows of the hybrid only")
     p.add_argument("--row-engines", default="canonical,fast,canonical-eager", help="engines of the decode/TTFT rows")
+    p.add_argument("--online", action="store_true", help="kvwarden serve at concurrency 1, 16, 64, both engines")
+    p.add_argument("--shared-prefix", action="store_true", help="offline: shared system prompts against unshared")
     p.add_argument("--profile", action="store_true", help="print a kernel table of one prefill + 8 decode steps")
     p.add_argument("--profile-model", default="", help="the model --profile looks at (default --model)")
     p.add_argument("--quick", action="store_true", help="small sizes to check the script runs")
@@ -83,6 +90,9 @@ def main() -> None:
     args.batches_text, args.prompts_text = args.batches, args.prompts
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
+    if args.part in ("online", "shared"):
+        print(json.dumps(run_serving_part(args)))
+        return
     if args.part is not None:
         print(json.dumps(run_part(args)))
         return
@@ -153,6 +163,11 @@ def main() -> None:
             )
             console.print(f"      steps off {r['off_steps']}")
             console.print(f"      steps on  {r['on_steps']}")
+    for name, wanted in (("online", args.online), ("shared", args.shared_prefix)):
+        for engine in ("canonical", "fast") if wanted else ():
+            got = part(args, name, args.model, engine, console)
+            result.setdefault(name, []).extend(got["rows"] if got else [])
+    print_rows(result, console)
     if args.profile:
         got = part(args, "profile", args.profile_model or args.model, "canonical", console)
         if got is not None:
@@ -198,6 +213,25 @@ def summary_table(result: dict[str, Any]) -> str:
                 ref = f"{c['cold_s'] / dense_ttft['cold_s']:.2f}x dense"
             name = f"TTFT s {model.split(':')[-1]} {prompt} {kind}"
             lines.append(_row(name, c and c[f"{kind}_s"], f and f[f"{kind}_s"], ref, seconds=True))
+    online: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in result.get("online", []):
+        online.setdefault(r["concurrency"], {})[r["engine"]] = r
+    for conc, e in online.items():
+        c, f = e.get("canonical"), e.get("fast")
+        lines.append(_row(f"online c{conc} tok/s", c and c["output_tok_s"], f and f["output_tok_s"], ""))
+        for key, label in (("ttft_ms_mean", "TTFT"), ("tpot_ms_mean", "TPOT")):
+            cv, fv = c and c[key], f and f[key]
+            lines.append(_row(f"online c{conc} {label} s", cv and cv / 1e3, fv and fv / 1e3, "", seconds=True))
+    shared: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in result.get("shared", []):
+        shared.setdefault(r["workload"], {})[r["engine"]] = r
+    for kind, e in shared.items():
+        c, f = e.get("canonical"), e.get("fast")
+        ref = f"{c['cached_share']:.0%} cached" if c else ""
+        unshared = shared.get("unshared", {}).get("canonical")
+        if kind == "shared" and c and unshared:
+            ref += f"; {c['output_tok_s'] / unshared['output_tok_s']:.2f}x unshared"
+        lines.append(_row(f"{kind} prompts, output tok/s", c and c["output_tok_s"], f and f["output_tok_s"], ref))
     return "\n".join(lines)
 
 

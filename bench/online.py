@@ -56,7 +56,10 @@ def requests(args: argparse.Namespace) -> list[workloads.Request]:
     )
 
 
-async def run(args: argparse.Namespace) -> tuple[list[StreamResult], float]:
+async def run(
+    args: argparse.Namespace, given: list[workloads.Request] | None = None
+) -> tuple[list[StreamResult], float]:
+    """Every request (``given``, or ``--workload``'s) streamed; the results and the wall time."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
@@ -73,7 +76,8 @@ async def run(args: argparse.Namespace) -> tuple[list[StreamResult], float]:
         async def send(req: workloads.Request) -> StreamResult:
             return await stream_completion(client, args.url, completion_body(model, req.prompt, req.max_tokens))
 
-        return await run_bounded(requests(args), send, args.max_concurrency, args.request_rate, args.seed + 1)
+        reqs = given if given is not None else requests(args)
+        return await run_bounded(reqs, send, args.max_concurrency, args.request_rate, args.seed + 1)
 
 
 def parse() -> argparse.Namespace:

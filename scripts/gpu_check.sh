@@ -12,6 +12,7 @@
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
+#   scripts/gpu_check.sh full serving                 # kvwarden serve at concurrency 1/16/64; shared-prefix offline
 #   scripts/gpu_check.sh full pd                      # disaggregated prefill/decode on one GPU (needs NIXL in .whl/)
 #   scripts/gpu_check.sh full tests fla hybridspeed hybridprofile   # the hybrid family: kernels, fla, rows, profile
 #   scripts/gpu_check.sh full hybridmatrix truth      # (a)-(j) on both hybrids; bf16 error against float32 truth
@@ -22,7 +23,7 @@
 #   scripts/gpu_check.sh full dsa                     # sparse attention (GLM-5, DeepSeek-V3.2): kernels, agreement,
 #                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, profile, pd,
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, serving, profile, pd,
 # fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
@@ -150,6 +151,12 @@ if [ "$MODE" = full ] && want speedrows; then
   stage "speed, rows half: decode by batch (graphs vs eager), TTFT cold and warm, dense and hybrid"
   speed gpu_speed_rows --skip-offline ${SPEED_ROWS_ARGS:-}
   record "speed: decode b1/b256 canonical tok/s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_rows.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want serving; then  # #29: the server under load; prefix caching on shared system prompts
+  stage "serving: kvwarden serve at concurrency 1/16/64 (canonical, fast path); shared-prefix workload offline"
+  speed gpu_serving --skip-offline --skip-rows --hybrid none --online --shared-prefix
+  record "online c1/c16/c64 tok/s canonical|fast" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['concurrency'], r['engine'][:4], round(r['output_tok_s']), round(r['tpot_ms_mean'] or 0, 2)) for r in d.get('online', [])])" 2>&1 | tail -n 1)"
+  record "shared vs unshared prompts, output tok/s (cached share)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['engine'][:4], r['workload'], round(r['output_tok_s']), round(r['cached_share'], 2)) for r in d.get('shared', [])])" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want profile; then
   stage "where time goes: one prefill chunk and one decode step, kernel groups beside their ceilings"
