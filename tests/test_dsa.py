@@ -106,18 +106,41 @@ def test_selection_prunes_at_the_presets_lengths(glm_tiny: Path, tmp_path: Path)
     assert diff[topk:].max().item() > 0.1
 
 
-def test_speculation_on_equals_off(glm_tiny: Path) -> None:
-    """(j): n-gram drafts verified through the sparse attention, (b)-(h) against the run without them."""
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculation_on_equals_off(glm_tiny: Path, method: str) -> None:
+    """(j): n-gram drafts, or the checkpoint's own MTP layer (DeepSeek's layout: layer ``num_hidden_layers``,
+    its latent attention selecting its own keys), verified through the sparse attention, (b)-(h) against
+    the run without them."""
     rng = random.Random(3)
     motif = [rng.randrange(3, 1000) for _ in range(6)]
     prompt = (motif * 6)[:33]
     partners = [_prompt(s, 20) for s in (4, 5)]
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5, ignore_eos=True)
     ref = LLM(str(glm_tiny), block_size=BLOCK, enable_prefix_caching=False).generate([prompt], params)[0]
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": 3 if method == "ngram" else 2}
     make = partial(LLM, str(glm_tiny), block_size=BLOCK, num_blocks=64, speculative_config=spec)
     report = check_properties(make, prompt, params, BLOCK, partners, only=("b", "c", "e", "f", "g"), reference=ref)
     assert report.all_identical, report.failures()
+    if method == "mtp":  # the head really drafted (its random weights are rarely right)
+        llm = make()
+        llm.generate([prompt], params)
+        assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_the_mtp_layer_is_loaded_only_where_the_config_announces_it(glm_tiny: Path, tmp_path: Path) -> None:
+    """Without ``num_nextn_predict_layers`` layer 3's tensors are a layer past the stack: refused, naming one;
+    a tensor of the MTP layer its head would not read is refused when speculation loads the head."""
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.3\."):
+        LLM(str(_with(glm_tiny, tmp_path / "without", num_nextn_predict_layers=0)))
+    model = _with(glm_tiny, tmp_path / "extra")
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.3.mlp.experts.0.extra.weight"] = torch.zeros(4)
+    save_file(weights, str(model / "model.safetensors"))
+    LLM(str(model))  # not read without speculation: the model itself is whole
+    with pytest.raises(ValueError, match=r"MTP tensor 'model\.layers\.3\.mlp\.experts\.0\.extra\.weight'"):
+        LLM(str(model), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
 def test_the_first_incident_on_demand(glm_tiny: Path) -> None:
@@ -158,6 +181,7 @@ def test_bfloat16_scores_tie_where_float32_scores_do_not() -> None:
         ({"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]"),
         ({"n_group": 3}, "n_group"),
         ({"q_lora_rank": None}, "q_lora_rank"),
+        ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),
     ],
 )
 def test_what_it_cannot_serve_is_refused_naming_the_field(

@@ -8,7 +8,7 @@ config (:class:`GatedDeltaNetConfig` or :class:`Mamba2Config`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MlaConfig | None = None  # GLM-5: latent attention with a lightning indexer (DSA) on every layer
     sliding_window: int | None = None  # Mistral: attention limited to this many keys (served up to it only)
+    mtp_layers: int = 0  # GLM-5 / DeepSeek: an MTP layer stored as layer num_hidden_layers (model.layers.N.*)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -127,6 +128,14 @@ class ModelConfig:
     @property
     def recurrent_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t != ATTENTION]
+
+    def with_mtp_layer(self) -> ModelConfig:
+        """The config seen by a DeepSeek-style MTP layer, which is layer ``num_hidden_layers``: latent
+        attention with its own indexer (it runs alone: nothing to share a selection from) and, in an MoE
+        model, routed experts (as vLLM builds it: a decoder layer past ``first_k_dense_replace``)."""
+        mla = replace(self.mla, indexer_full=(*self.mla.indexer_full, True)) if self.mla is not None else None
+        moe = replace(self.moe, sparse_layers=(*self.moe.sparse_layers, True)) if self.moe is not None else None
+        return replace(self, mla=mla, moe=moe, layer_types=(*self.layer_types, ATTENTION))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -219,9 +219,15 @@ def dsa_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str
         softmax_scale=scale,
         indexer_interleaved=glm,
     )
+    mtp_layers = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+    if mtp_layers > 1:  # DeepSeek's later MTP layers chain on the first's output; vLLM drafts with one too
+        raise ValueError(
+            f"config.json: num_nextn_predict_layers {mtp_layers} is not supported (0 or 1: kvwarden drafts with "
+            "one MTP layer)"
+        )
     # rope turns the qk_rope_head_dim slice only: the rotary table is that wide (transformers points
     # head_dim at it too)
-    return {"mla": mla, "moe": moe, "head_dim": mla.qk_rope_head_dim, "qk_norm": False}
+    return {"mla": mla, "moe": moe, "head_dim": mla.qk_rope_head_dim, "qk_norm": False, "mtp_layers": mtp_layers}
 
 
 def granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -68,8 +68,7 @@ def load(path: str | Path, dtype: str, ops: Ops, max_model_len: int | None = Non
     max_positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     model = DecoderModel(cfg, get, ops, max_positions)
     _refuse_unused(cfg, tensors, asked)
-    extra = sorted(k for k in tensors if k.startswith("mtp."))
-    mtp = {k: tensors[k] for k in extra}  # multi-token-prediction head, kept for speculative decoding
+    mtp = {k: tensors[k] for k in sorted(tensors) if is_mtp_tensor(cfg, k)}  # kept for speculative decoding
     return LoadedModel(
         config=cfg,
         model=model,
@@ -170,11 +169,18 @@ def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
+    """A tensor of the multi-token-prediction head: Qwen3-Next's ``mtp.*``, or the layer DeepSeek-style
+    checkpoints (GLM-5, DeepSeek-V3.2) store after the stack (``model.layers.<num_hidden_layers>.*``, when
+    ``num_nextn_predict_layers`` announces it)."""
+    return name.startswith("mtp.") or (cfg.mtp_layers > 0 and name.startswith(f"model.layers.{cfg.num_hidden_layers}."))
+
+
 def _refuse_unused(cfg: ModelConfig, tensors: dict[str, torch.Tensor], asked: set[str]) -> None:
     """A checkpoint tensor the model never asked for would be ignored (a vision tower, a bias the family does
     not have, a layer past ``num_hidden_layers``): refuse it, naming it, rather than serve without it."""
-    # mtp.*: the speculative head, loaded when speculation asks for it; rotary tables: recomputed
-    unused = sorted(k for k in tensors if k not in asked and not k.startswith("mtp.") and "rotary_emb" not in k)
+    # the MTP head: loaded when speculation asks for it; rotary tables: recomputed
+    unused = sorted(k for k in tensors if k not in asked and not is_mtp_tensor(cfg, k) and "rotary_emb" not in k)
     if unused:
         more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
         raise ValueError(

@@ -49,6 +49,7 @@ def cut_layers(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         if not set(types) - attention:
             types[0] = next(t for t in cfg[key] if t not in attention)
         out[key] = types
+    out.pop("num_nextn_predict_layers", None)  # the MTP layer is the one after the full stack: not in a cut
     if isinstance(cfg.get("mlp_only_layers"), list):
         out["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
     if "max_window_layers" in cfg:
@@ -87,7 +88,27 @@ def random_checkpoint(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dic
     w["model.norm.weight"] = draw(h, std=0.1, offset=offset)
     if not mc.tie_word_embeddings:
         w["lm_head.weight"] = draw(vocab, h, std=2.0 * h**-0.5)
+    if mc.mtp_layers and mc.mla is not None:
+        _deepseek_mtp(w, mc, draw)
     return w
+
+
+def _deepseek_mtp(w: dict[str, torch.Tensor], mc: ModelConfig, draw: Draw) -> None:
+    """DeepSeek's MTP layer (GLM-5, DeepSeek-V3.2) as layer ``num_hidden_layers``: its own copies of the
+    embedding and LM head (equal to the model's, as in published checkpoints), the two input norms and
+    ``eh_proj``, and a decoder layer of the model's kind."""
+    h, n = mc.hidden_size, mc.num_hidden_layers
+    p, layer = f"model.layers.{n}", mc.with_mtp_layer()
+    w[f"{p}.embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+    w[f"{p}.enorm.weight"] = draw(h, std=0.1, offset=1.0)
+    w[f"{p}.hnorm.weight"] = draw(h, std=0.1, offset=1.0)
+    w[f"{p}.eh_proj.weight"] = draw(h, 2 * h, std=(2 * h) ** -0.5)
+    w[f"{p}.input_layernorm.weight"] = draw(h, std=0.1, offset=1.0)
+    w[f"{p}.post_attention_layernorm.weight"] = draw(h, std=0.1, offset=1.0)
+    _mla(w, f"{p}.self_attn", layer, n, draw)
+    _ffn(w, p, layer, n, draw)
+    w[f"{p}.shared_head.norm.weight"] = draw(h, std=0.1, offset=1.0)
+    w[f"{p}.shared_head.head.weight"] = w.get("lm_head.weight", w["model.embed_tokens.weight"]).clone()
 
 
 def _attention(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, offset: float) -> None:

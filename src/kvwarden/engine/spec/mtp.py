@@ -25,7 +25,7 @@ from kvwarden.engine.scheduler import SchedulerOutput
 from kvwarden.engine.spec.mtp_graphs import MtpGraphs
 from kvwarden.engine.spec.target import SpecTarget
 from kvwarden.models.loader import TORCH_DTYPES
-from kvwarden.models.mtp import MtpHead, has_mtp
+from kvwarden.models.mtp import MtpHead, has_mtp, mtp_names
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -34,24 +34,34 @@ class MtpProposer:
     """Proposes with the checkpoint's MTP head (``speculative_config={"method": "mtp"}``)."""
 
     def __init__(self, target: SpecTarget) -> None:
-        weights = target.loaded.mtp_weights
-        if not has_mtp(weights):
+        weights, cfg = target.loaded.mtp_weights, target.model_config
+        if not has_mtp(cfg, weights):
+            where = f"no {mtp_names(cfg).fc}; Qwen3-Next, GLM-5 and DeepSeek-V3.2 checkpoints carry one"
             raise ValueError(
                 f"speculative_config.method: 'mtp' needs a multi-token-prediction head, and {target.loaded.source} "
-                "has none (no mtp.* tensors; Qwen3-Next checkpoints carry one); use 'draft' or 'ngram'"
+                f"has none ({where}); use 'draft' or 'ngram'"
             )
         dtype, device = TORCH_DTYPES[target.config.dtype], target.ops.device
 
         def get(name: str) -> torch.Tensor | None:
             t = weights.get(name)
-            return None if t is None else t.to(dtype).contiguous().to(device)
+            if t is None:
+                return None
+            # as the loader keeps them: GLM-5's router and indexer head weights stay float32
+            want = torch.float32 if name.endswith(cfg.fp32_weights) and t.dtype == torch.float32 else dtype
+            return t.to(want).contiguous().to(device)
 
         self.target = target
-        self.head = MtpHead(target.model_config, get, target.loaded.model)
+        self.head = MtpHead(cfg, get, target.loaded.model)
+        unused = sorted(set(weights) - self.head.asked)
+        if unused:  # a tensor of the head that the head would ignore: refused, as the loader refuses the model's
+            raise ValueError(
+                f"checkpoint: MTP tensor {unused[0]!r} is not used by {cfg.architecture}'s MTP head; kvwarden "
+                "refuses to draft with a head it would partly ignore"
+            )
         runner = target.runner
-        heads, dim = target.loaded.model.kv_shape()
         # like the target's: the null slot, then a slot no block owns (the drafting graph's padding rows)
-        self.kv_caches = [target.ops.new_kv_cache(runner.null_slot + 2, heads, dim, target.loaded.model.dtype)]
+        self.kv_caches = [target.loaded.model.new_kv_cache(runner.null_slot + 2)]
         spec = target.config.speculative
         self.k = spec.num_speculative_tokens if spec is not None else 1
         self.graphs: MtpGraphs | None = None
