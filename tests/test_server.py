@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import struct
 import time
 from collections.abc import Iterator
@@ -218,6 +219,12 @@ def test_metrics_expose_cache_queue_and_latency(server: Server, client: openai.O
     assert hits > 0 and m['kvwarden:prefix_cache_hits_total{tier="host"}'] == 0  # no host tier configured
     assert m["kvwarden:prefix_cache_queries_total"] >= hits
     assert m["kvwarden:time_to_first_token_seconds_count"] > 0
+    # the pool's size as a prefix cache: every block's tokens; the bytes behind it
+    info = next(k for k in m if k.startswith("kvwarden:cache_config_info{"))
+    block_size = int(re.search(r'block_size="(\d+)"', info).group(1))  # type: ignore[union-attr]
+    blocks = m["kvwarden:kv_blocks_used"] + m["kvwarden:kv_blocks_free"]
+    assert m["kvwarden:prefix_cache_capacity_tokens"] == blocks * block_size > 0
+    assert m["kvwarden:kv_cache_bytes"] >= m["kvwarden:prefix_cache_capacity_tokens"] * 2  # K and V, >= 1 byte each
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(server: Server, client: openai.OpenAI) -> None:

@@ -44,6 +44,11 @@ class PagedKV:
     def __iter__(self) -> Iterator[KV]:
         return (self[i] for i in range(len(self._layers)))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's cache tensors (the null and scratch slots included)."""
+        return sum(t.numel() * t.element_size() for kv in self._layers for t in kv)
+
     def raw(self, layer: int) -> KV:
         """The tensors without waiting: for the copy engine only (it queues behind the pending copies)."""
         return self._layers[layer]

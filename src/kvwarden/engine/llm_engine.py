@@ -330,6 +330,8 @@ class LLMEngine:
             "state_slots_free": states.num_free_working if states else 0,
             "state_snapshots": states.num_snapshots if states else 0,
             "num_blocks": self.num_blocks,
+            "kv_cache_bytes": self.runner.kv_caches.nbytes,
+            "prefix_cache_capacity_tokens": self.num_blocks * self.config.cache.block_size,
             "free_blocks": self.pool.num_free_blocks,
             "cached_blocks": self.pool.num_cached_blocks,
             "running": len(self.scheduler.running),

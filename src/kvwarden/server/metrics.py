@@ -40,6 +40,8 @@ _GAUGES = {
     "cached_blocks": ("kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
     "state_slots_used": ("state_slots_used", "Recurrent working-state slots held by requests (hybrid models)"),
     "host_blocks_cached": ("host_kv_blocks_cached", "KV blocks held by the host tier (--host-cache-bytes)"),
+    "kv_cache_bytes": ("kv_cache_bytes", "Bytes of this engine's paged KV tensors, every attention layer"),
+    "prefix_cache_capacity_tokens": ("prefix_cache_capacity_tokens", "Tokens the KV pool (the prefix cache) holds"),
 }
 
 
