@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -69,7 +70,7 @@ def model_bytes(model: str) -> tuple[int, int]:
 
         total, width = 2 * sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors), 2
     else:
-        total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        total = _safetensors_bytes(path, cfg)
         width = 2 if cfg.get("torch_dtype", "bfloat16") in ("bfloat16", "float16") else 4
     if not cfg.get("tie_word_embeddings", False):  # the embedding table is looked up, not read whole
         total -= cfg["vocab_size"] * cfg["hidden_size"] * width
@@ -79,6 +80,26 @@ def model_bytes(model: str) -> tuple[int, int]:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_per_token = attn * 2 * cfg["num_key_value_heads"] * head_dim * 2  # bf16 K and V
     return total, kv_per_token
+
+
+def _safetensors_bytes(path: Path, cfg: dict[str, Any]) -> int:
+    """Bytes of the checkpoint's tensors, the MTP head's left out (a decode step without speculation never reads
+    it; GLM-5-style heads carry their own embedding and LM head)."""
+    from safetensors import safe_open
+
+    from kvwarden.models.config import ModelConfig
+    from kvwarden.models.loader import is_mtp_tensor
+
+    mc = ModelConfig.from_dict(cfg)
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4}
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if not is_mtp_tensor(mc, name):
+                    part = handle.get_slice(name)
+                    total += math.prod(part.get_shape()) * sizes.get(part.get_dtype(), 4)
+    return total
 
 
 def vocab_of(model: str) -> int:

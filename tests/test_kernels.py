@@ -160,19 +160,26 @@ def test_rotary_fused_with_the_kv_write_gives_the_same_bits(dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rot", "w_dtype"), [(16, None), (8, None), (16, torch.float32)])
+@pytest.mark.parametrize(
+    ("d", "rot", "w_dtype"), [(16, 16, None), (16, 8, None), (128, 128, None), (128, 64, torch.float32)]
+)
 def test_qk_norm_fused_into_the_rotary_write_gives_the_same_bits(
-    dtype: torch.dtype, rot: int, w_dtype: torch.dtype | None
+    dtype: torch.dtype, d: int, rot: int, w_dtype: torch.dtype | None
 ) -> None:
     """Qwen3's per-head q/k RMSNorm inside the rotary + KV-write launch, against the row kernel, then rotary,
-    then the write: partial rotary (the unrotated lanes keep the normalised value) and Qwen3-Next's float32
-    ``1 + w`` weights (scaled in float32, rounded once) included."""
+    then the write: real head sizes (128: the compiled reduction over a whole warp's lanes), partial rotary
+    (the unrotated lanes keep the normalised value), and Qwen3-Next's float32 ``1 + w`` weights (scaled in
+    float32, rounded once) with its gated q (each head's query beside its gate: a head stride of 2d)."""
     g = gen(7)
-    rope = RotaryEmbedding(16, rot, {"rope_type": "default", "rope_theta": 10000.0}, 64)
+    rope = RotaryEmbedding(d, rot, {"rope_type": "default", "rope_theta": 10000.0}, 64)
     cos, sin = rope.cos[:, :rot].contiguous().to(DEVICE), rope.sin[:, :rot].contiguous().to(DEVICE)
-    tokens, hq, hkv, d, eps = 6, 4, 2, 16, 1e-6
-    qkv = rand(g, tokens, (hq + 2 * hkv) * d, dtype=dtype, scale=3.0)
-    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    tokens, hq, hkv, eps = 6, 4, 2, 1e-6
+    gated = w_dtype == torch.float32
+    q_width = hq * d * (2 if gated else 1)
+    qkv = rand(g, tokens, q_width + 2 * hkv * d, dtype=dtype, scale=3.0)
+    q, k, v = qkv.split([q_width, hkv * d, hkv * d], dim=-1)
+    q = q.view(tokens, hq, 2 * d)[..., :d] if gated else q.view(tokens, hq, d)
+    k, v = k.view(tokens, hkv, d), v.view(tokens, hkv, d)
     q_w, k_w = (rand(g, d, dtype=w_dtype or dtype) + 1.0 for _ in range(2))
     assert rotary.fusable_norm(q, q_w, k_w)
     pos = torch.tensor([0, 7, 8, 40, 63, 1], device=DEVICE)

@@ -78,6 +78,8 @@ def graph_capable(model: DecoderModel) -> str | None:
     """Why ``model``'s decode step cannot be captured, or None when it can."""
     if model.cfg.mla is not None and not hasattr(model.ops, "k_attention"):
         return "sparse attention (DSA) on the shape-dependent backend selects keys request by request on the host"
+    if model.cfg.mla is not None and model.ops.config.unsafe_topk:
+        return "unsafe_topk: the incident's arrival order follows the step's real rows, so its steps run eagerly"
     if model.cfg.recurrent_layers and not model.ops.batched_recurrent:
         return "recurrent layers address their states per request on the host (CPU backends)"
     if model.cfg.moe is not None and not model.ops.device_moe:
@@ -243,7 +245,9 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         from kvwarden.layers.kernels.attention import precompile
 
-        if len(self.kv) and self.model.cfg.mla is None:  # the eager prefill kernels too: no first-use compile
+        # the eager prefill kernels too, so that no request pays a first-use compile (sparse attention has its
+        # own kernels: the dense attention's would be compiled for nothing)
+        if len(self.kv) and self.model.cfg.mla is None:
             precompile(self.model.cfg.num_attention_heads, *self.kv.raw(0), self.block_size)
         pool = torch.cuda.graph_pool_handle()
         # largest first: smaller graphs reuse its memory

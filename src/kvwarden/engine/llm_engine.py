@@ -66,7 +66,8 @@ class LLMEngine:
                 f"block_size: {cache.block_size} must be a multiple of the recurrent scan chunk "
                 f"({config.numerics.scan_chunk}) so every block boundary is a scan grid point"
             )
-        self.num_blocks = cache.num_blocks or num_cache_blocks(config, self.device, self.model_config, model)
+        mtp_bytes = sum(t.numel() for t in self.loaded.mtp_weights.values()) * model.embed.element_size()
+        self.num_blocks = cache.num_blocks or num_cache_blocks(config, self.device, self.model_config, model, mtp_bytes)
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
         self.kv: KVCacheManager | HybridCacheManager = KVCacheManager(
             self.pool, cache.block_size, cache.enable_prefix_caching

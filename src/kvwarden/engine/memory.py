@@ -39,8 +39,13 @@ def context_limit(max_model_len: int | None, cfg: ModelConfig) -> int:
     return window
 
 
-def num_cache_blocks(config: EngineConfig, device: str, cfg: ModelConfig, model: DecoderModel) -> int:
-    """Blocks of the KV pool that :func:`cache_budget` holds, at what one block costs in every cache."""
+def num_cache_blocks(
+    config: EngineConfig, device: str, cfg: ModelConfig, model: DecoderModel, mtp_weight_bytes: int = 0
+) -> int:
+    """Blocks of the KV pool that :func:`cache_budget` holds, at what one block costs in every cache.
+
+    ``mtp_weight_bytes``: the MTP head's weights, which MTP speculation moves to the device after the pool is
+    sized (GLM-5's head is a whole routed-expert layer): held back from a GPU budget."""
     specs = model.recurrent_specs()
     block_size = config.cache.block_size
     # A recurrent-state snapshot lives with its block: count it in the per-block budget.
@@ -49,7 +54,10 @@ def num_cache_blocks(config: EngineConfig, device: str, cfg: ModelConfig, model:
         # NOTE: the MTP head's attention layer has a KV cache with the pool's slots (spec/mtp.py): count it,
         # or a GPU pool sized to gpu_memory_utilization leaves no room for it (seen on an H200: OOM).
         per_block += kv_bytes_per_block(model, block_size) // max(model.num_attention_layers, 1)
-    return max(2, cache_budget(config, device, cfg, specs) // per_block)
+    budget = cache_budget(config, device, cfg, specs)
+    if device == "cuda" and config.speculative is not None and config.speculative.method == "mtp":
+        budget -= mtp_weight_bytes
+    return max(2, budget // per_block)
 
 
 def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: list[RecurrentLayerSpec]) -> int:

@@ -210,12 +210,9 @@ class TritonOps(CudaOps):
         slots: torch.Tensor,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        if rope is None or kv[0].dtype != k.dtype:
+        fused_norm = qk_norm is None or self.k_rotary.fusable_norm(q, qk_norm[0], qk_norm[1])
+        if rope is None or kv[0].dtype != k.dtype or not fused_norm:  # norm, rotary, write one by one
             return super().rope_write_kv(rope, q, k, v, positions, kv, slots, qk_norm)
-        if qk_norm is not None and not self.k_rotary.fusable_norm(q, qk_norm[0], qk_norm[1]):
-            q_w, k_w, eps = qk_norm
-            q, k = self.rms_norm(q, q_w, eps), self.rms_norm(k, k_w, eps)
-            qk_norm = None
         # NOTE(invariance): with the norm inside, the bits of norm, rotary and write one by one (rotary.py)
         return self.k_rotary.rope_write_kv(q, k, v, positions, rope.cos, rope.sin, kv[0], kv[1], slots, qk_norm)
 

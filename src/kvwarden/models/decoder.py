@@ -164,7 +164,7 @@ class DecoderModel:
         batch.trace("final_norm", h)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` for selected hidden rows."""
-        logits = self.ops.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` for selected hidden rows (``head``: an MTP head's own LM head)."""
+        logits = self.ops.linear(hidden, self.lm_head if head is None else head).float()
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits

@@ -187,8 +187,8 @@ def _glm_moe_dsa(preset: str) -> dict[str, Any]:
     group-limited routed experts beside a shared one, and an MTP layer after the stack. ``0.6b``: GLM-5's
     attention dimensions (latent 512, rotary 64, nope 192, values 256, an indexer of 32 heads of 128
     choosing 2,048 keys) over 12 layers of a 1,024-wide model with 16 experts (4 per token), about 0.7B
-    parameters (311M of them the 151,936-row embedding and head), for GPU figures beside the dense 0.6B
-    models."""
+    parameters (311M of them the 151,936-row embedding and head) plus the MTP layer (with its own copies of
+    both, as GLM-5's: read only by MTP speculation), for GPU figures beside the dense 0.6B models."""
     shapes = {  # hidden, layers, heads, lora, nope, rope, v, index heads, index dim, topk, experts, groups
         "tiny": (64, 3, 4, 32, 16, 16, 16, 8, 32, 8, 8, 2),
         "small": (256, 4, 8, 128, 32, 32, 32, 8, 64, 32, 16, 4),

@@ -182,7 +182,8 @@ class MlaBlock:
         )
         arrival = scores.shape[0] if self.arrival_order else None
         positions, visible = select_keys(scores, k, arrival, topk.topk_triton)
-        return table[req.long()].gather(1, positions), visible
+        # each row's selected slots, gathered without a [rows, width] copy of its request's table row
+        return table.view(-1)[req.long()[:, None] * table.shape[1] + positions], visible
 
 
 def _key_table(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

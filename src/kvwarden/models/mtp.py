@@ -56,6 +56,7 @@ def deepseek_names(num_hidden_layers: int) -> MtpNames:
 
 
 def mtp_names(cfg: ModelConfig) -> MtpNames:
+    """Where ``cfg``'s family keeps its MTP head: DeepSeek's layout for sparse-attention models."""
     return deepseek_names(cfg.num_hidden_layers) if cfg.mla is not None else QWEN3_NEXT
 
 
@@ -75,10 +76,14 @@ class MtpHead:
         self.norm_embed = norm_weight(cfg, get, names.norm_embed)
         self.norm_hidden = norm_weight(cfg, get, names.norm_hidden)
         self.norm = norm_weight(cfg, get, names.norm)
-        self.embed = require(get, names.embed) if names.embed else target.embed
-        self.head = require(get, names.head) if names.head else None
-        index = cfg.num_hidden_layers if names.embed else 0
-        layer_cfg = cfg.with_mtp_layer() if names.embed else cfg
+        # DeepSeek's layout may store its own copies of the embedding and LM head (equal to the model's in
+        # published checkpoints), or leave them out: then the model's are shared, as Qwen3-Next's head does
+        own_embed = get(names.embed) if names.embed else None
+        self.embed = own_embed if own_embed is not None else target.embed
+        self.head = get(names.head) if names.head else None
+        deepseek = names.embed is not None
+        index = cfg.num_hidden_layers if deepseek else 0
+        layer_cfg = cfg.with_mtp_layer() if deepseek else cfg
         self.layer = DecoderLayer(layer_cfg, get, index, target.ops, target.rope, prefix=names.layer, kind=ATTENTION)
         self.layer.kv_index = 0
 
@@ -98,13 +103,11 @@ class MtpHead:
         return ops.add_rms_norm(out, h, self.norm, eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head is None:
-            return self.target.logits(hidden)
-        logits = self.ops.linear(hidden, self.head).float()
-        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits
+        return self.target.logits(hidden, self.head)
 
 
 def has_mtp(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether the checkpoint's MTP tensors (the loader's ``mtp_weights``) hold a head."""
     return mtp_names(cfg).fc in weights
 
 
@@ -112,7 +115,10 @@ def checkpoint_has_mtp(model_dir: str | Path) -> bool:
     """Whether a safetensors checkpoint directory carries an MTP head (without loading it)."""
     from safetensors import safe_open
 
-    fc = mtp_names(ModelConfig.from_dir(model_dir)).fc
+    try:
+        fc = mtp_names(ModelConfig.from_dir(model_dir)).fc
+    except (OSError, ValueError):  # not a model directory kvwarden serves (a GGUF file, another family)
+        return False
     index = Path(model_dir) / "model.safetensors.index.json"
     if index.is_file():
         return fc in json.loads(index.read_text())["weight_map"]

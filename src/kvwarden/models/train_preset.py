@@ -26,6 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvwarden.models.bundled import corpus_text, documents
+from kvwarden.models.config import ModelConfig
+from kvwarden.models.loader import is_mtp_tensor
 
 Progress = Callable[[str], None] | None
 SEQ_LEN, BATCH = 128, 16  # 2K tokens a step: ~0.5 s on 2 CPU cores for a tiny preset; small ones want a GPU
@@ -129,8 +131,9 @@ def _write_back(model: torch.nn.Module, model_dir: Path) -> None:
 
     transformers' ``save_pretrained`` undoes its load-time conversions (fused experts go back to
     one tensor per expert), so its names are the checkpoint's; a stored tensor the model did not
-    write (other than ``mtp.*``, which transformers does not build) means the mapping broke.
+    write (other than the MTP head's, which transformers does not build) means the mapping broke.
     """
+    config = ModelConfig.from_dir(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         model.to("cpu").save_pretrained(tmp, safe_serialization=True)
         trained = {k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -142,7 +145,7 @@ def _write_back(model: torch.nn.Module, model_dir: Path) -> None:
         for name, stored in tensors.items():
             if name in trained:
                 tensors[name] = trained[name].to(stored.dtype).contiguous()
-            elif not name.startswith("mtp."):
+            elif not is_mtp_tensor(config, name):  # the MTP head: transformers does not build it
                 missing.append(name)
         updated.append((f, tensors, metadata))
     if missing:  # checked before any file is rewritten: a broken mapping leaves the checkpoint as it was

@@ -25,7 +25,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _partner(D, ROT, BLOCK_D: tl.constexpr):
+def _partner(ROT, BLOCK_D: tl.constexpr):
     """Each lane's element and its rotate-half partner (lanes past ``ROT`` are not rotated)."""
     d = tl.arange(0, BLOCK_D)
     half = ROT // 2
@@ -35,7 +35,7 @@ def _partner(D, ROT, BLOCK_D: tl.constexpr):
 @triton.jit
 def _rotate_row(row_ptr, pos, cos_ptr, sin_ptr, D, ROT, BLOCK_D: tl.constexpr):
     """One (token, head) row rotated at absolute position ``pos``."""
-    d, partner = _partner(D, ROT, BLOCK_D)
+    d, partner = _partner(ROT, BLOCK_D)
     x = tl.load(row_ptr + d, mask=d < D, other=0.0)
     other = tl.load(row_ptr + partner, mask=d < ROT, other=0.0)
     return _rotate(x, other, pos, cos_ptr, sin_ptr, ROT, BLOCK_D)
@@ -45,7 +45,7 @@ def _rotate_row(row_ptr, pos, cos_ptr, sin_ptr, D, ROT, BLOCK_D: tl.constexpr):
 def _normed_row(row_ptr, w_ptr, eps, D, ROT, W_F32: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (token, head) row RMS-normalised, element and partner, in the row's dtype
     (``rows._rms_norm_kernel``'s arithmetic, the per-row reduction over the same block)."""
-    d, partner = _partner(D, ROT, BLOCK_D)
+    d, partner = _partner(ROT, BLOCK_D)
     x = tl.load(row_ptr + d, mask=d < D, other=0.0)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
@@ -147,7 +147,7 @@ def rope_write_kv(
     hkv = k.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "head rows must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert qk_norm is None or fusable_norm(q, *qk_norm[:2]), "the norm's output dtype must be the input's"
+    assert qk_norm is None or fusable_norm(q, *qk_norm[:2]), "a norm the kernel cannot fuse (see fusable_norm)"
     q_out = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
     if tokens:
         q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
