@@ -163,13 +163,14 @@ def test_rotary_fused_with_the_kv_write_gives_the_same_bits(dtype: torch.dtype, 
 @pytest.mark.parametrize(
     ("d", "rot", "w_dtype"), [(16, 16, None), (16, 8, None), (128, 128, None), (128, 64, torch.float32)]
 )
-def test_qk_norm_fused_into_the_rotary_write_gives_the_same_bits(
+def test_qk_norm_fused_into_the_rotary_write_is_row_invariant_and_agrees(
     dtype: torch.dtype, d: int, rot: int, w_dtype: torch.dtype | None
 ) -> None:
-    """Qwen3's per-head q/k RMSNorm inside the rotary + KV-write launch, against the row kernel, then rotary,
-    then the write: real head sizes (128: the compiled reduction over a whole warp's lanes), partial rotary
-    (the unrotated lanes keep the normalised value), and Qwen3-Next's float32 ``1 + w`` weights (scaled in
-    float32, rounded once) with its gated q (each head's query beside its gate: a head stride of 2d)."""
+    """Qwen3's per-head q/k RMSNorm inside the rotary + KV-write launch: a token's rows are the same bits alone
+    or in a batch, and agree with the row kernel, then rotary, then the write (within rounding: the fused
+    program may sum a row in another order). Real head sizes (128), partial rotary (the unrotated lanes keep
+    the normalised value), and Qwen3-Next's float32 ``1 + w`` weights (scaled in float32, rounded once) with
+    its gated q (each head's query beside its gate: a head stride of 2d)."""
     g = gen(7)
     rope = RotaryEmbedding(d, rot, {"rope_type": "default", "rope_theta": 10000.0}, 64)
     cos, sin = rope.cos[:, :rot].contiguous().to(DEVICE), rope.sin[:, :rot].contiguous().to(DEVICE)
@@ -186,13 +187,20 @@ def test_qk_norm_fused_into_the_rotary_write_gives_the_same_bits(
     slots = torch.tensor([9, 2, 30, 17, 4, 11], device=DEVICE)
     k_cache, v_cache = (torch.zeros(32, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
     q_out = rotary.rope_write_kv(q, k, v, pos, cos, sin, k_cache, v_cache, slots, (q_w, k_w, eps))
+    for t in (0, 3):  # a token alone: its rows and its cache slots hold the batch's bits
+        k_alone, v_alone = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        one = slice(t, t + 1)
+        q_one = rotary.rope_write_kv(
+            q[one], k[one], v[one], pos[one], cos, sin, k_alone, v_alone, slots[one], (q_w, k_w, eps)
+        )
+        assert same(q_one, q_out[one]) and same(k_alone[slots[one]], k_cache[slots[one]])
     q_n = rows.rms_norm(q.reshape(-1, d), q_w, eps)[0].view(tokens, hq, d)
     k_n = rows.rms_norm(k.reshape(-1, d), k_w, eps)[0].view(tokens, hkv, d)
-    assert same(q_out, rotary.apply_rotary(q_n, pos, cos, sin))
-    assert same(k_cache[slots], rotary.apply_rotary(k_n, pos, cos, sin))
+    assert close(q_out, rotary.apply_rotary(q_n, pos, cos, sin), dtype)
+    assert close(k_cache[slots], rotary.apply_rotary(k_n, pos, cos, sin), dtype)
     assert same(v_cache[slots], v.contiguous())
     ref = torch.nn.functional.rms_norm(q.double(), (d,), q_w.double(), eps)  # the norm itself, before rotary
-    assert close(rotary.apply_rotary(q_n, pos, cos, sin), rope.apply(ref.cpu(), pos.cpu()).to(DEVICE), dtype)
+    assert close(q_out, rope.apply(ref.cpu(), pos.cpu()).to(DEVICE), dtype)
     # a weight that would promote the rows' dtype is not fused (the caller norms first)
     assert not rotary.fusable_norm(q.to(torch.bfloat16), q_w.float().double(), k_w.double())
 

@@ -213,7 +213,7 @@ class TritonOps(CudaOps):
         fused_norm = qk_norm is None or self.k_rotary.fusable_norm(q, qk_norm[0], qk_norm[1])
         if rope is None or kv[0].dtype != k.dtype or not fused_norm:  # norm, rotary, write one by one
             return super().rope_write_kv(rope, q, k, v, positions, kv, slots, qk_norm)
-        # NOTE(invariance): with the norm inside, the bits of norm, rotary and write one by one (rotary.py)
+        # NOTE(invariance): every step (traced or not) runs this one kernel: a head row's norm has one order
         return self.k_rotary.rope_write_kv(q, k, v, positions, rope.cos, rope.sin, kv[0], kv[1], slots, qk_norm)
 
     # ------------------------------------------------------------------- attention

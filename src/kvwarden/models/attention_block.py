@@ -54,21 +54,15 @@ class AttentionBlock:
         norms = None
         if self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm, self.k_norm, cfg.rms_norm_eps)
-        if batch.tracer is None:  # one kernel on a GPU: per-head norms, rotary, the K/V write
-            q = ops.rope_write_kv(self.rope, q, k, v, batch.positions, kv, batch.slot_mapping, norms)
-        else:  # the same steps one by one, so that rotated K can be recorded
-            if norms is not None:
-                q = ops.rms_norm(q.reshape(-1, d), norms[0], norms[2]).view(q.shape)
-                k = ops.rms_norm(k.reshape(-1, d), norms[1], norms[2]).view(k.shape)
-            if self.rope is not None:
-                q = ops.rope(self.rope, q, batch.positions)
-                k = ops.rope(self.rope, k, batch.positions)
-            batch.trace(f"{self.name}.q", q)
-            batch.trace(f"{self.name}.k", k)
-            batch.trace(f"{self.name}.v", v)
-            ops.write_kv(kv, batch.slot_mapping, k, v)
+        # one kernel on a GPU: per-head norms, rotary, the K/V write (a traced step runs the very same kernel, so
+        # tracing changes no bit; its rotated K is read back from the cache slots it was written to)
+        q = ops.rope_write_kv(self.rope, q, k, v, batch.positions, kv, batch.slot_mapping, norms)
         k_cache, v_cache = kv
-        if batch.tracer is not None:  # the context as read, cached positions included
+        if batch.tracer is not None:
+            batch.trace(f"{self.name}.q", q)
+            batch.trace(f"{self.name}.k", k_cache[batch.slot_mapping])
+            batch.trace(f"{self.name}.v", v)
+            # the context as read, cached positions included
             for seq, attn_seq in zip(batch.seqs, batch.plan.seqs, strict=True):
                 slots = attn_seq.slots[: seq.start + seq.num_tokens]
                 batch.tracer.record_context(f"{self.name}.k_ctx", seq.request_id, k_cache[slots])

@@ -234,8 +234,8 @@ def fit_mtp(
     owners = [f for f in sorted(model_dir.glob("*.safetensors")) if any(k.startswith("mtp.") for k in _names(f))]
     if not owners:
         raise ValueError(
-            f"--fit-mtp: {model_dir} has no Qwen3-Next MTP head (mtp.* tensors); --fit-mtp fits that layout only "
-            "(GLM-5 / DeepSeek heads, model.layers.<num_hidden_layers>.*, are not fitted)"
+            f"--fit-mtp: {model_dir} has no MTP head in Qwen3-Next's layout (mtp.* tensors), the one --fit-mtp "
+            "fits (GLM-5 / DeepSeek heads, model.layers.<num_hidden_layers>.*, are not fitted)"
         )
     stored = {k: v for f in owners for k, v in load_file(str(f)).items() if k.startswith("mtp.")}
     torch.manual_seed(seed)

@@ -10,11 +10,16 @@ same row function (``_rotate``) and writes K and V straight into their
 cache slots, so fusing the write changes launches, not bits.
 
 Qwen3's per-head q/k RMSNorm can ride in the same launch (``qk_norm``): each
-(token, head) program reduces its row exactly as the row kernel does
-(``rows._rms_norm_kernel``: the same block of ``next_power_of_2(D)`` lanes,
-one warp, one ``tl.sum``), then normalises the element and its rotary partner
-with the same element-wise formula, rounded to the model dtype, before the
-rotation. So the fused kernel gives the bits of norm, then rotary, then write.
+(token, head) program reduces its own row (one block of ``next_power_of_2(D)``
+lanes, one warp, one ``tl.sum``: an order fixed by the head size and this
+kernel, whatever the launch holds), then normalises the element and its rotary
+partner with the row kernel's element-wise formula and rounding points before
+the rotation. Every attention step of a model runs this one kernel (a traced
+step too), so its bits are the model's bits. They equal the separate row
+kernel's then rotary's at head size 128 on the H200, but not always: Triton may
+lay this program's row out differently and sum it in another order (seen at
+head size 16 in float32), so the two are equal within rounding, not by
+construction.
 """
 
 from __future__ import annotations
@@ -140,8 +145,8 @@ def rope_write_kv(
 
     ``q [tokens, Hq, D]``, ``k``/``v [tokens, Hkv, D]`` may be strided views (of a fused projection);
     the bits are those of :func:`apply_rotary` then a slot write (the same ``_rotate``). ``qk_norm``:
-    ``(q_weight, k_weight, eps)`` of a per-head RMSNorm applied first, with the bits of
-    :func:`kvwarden.layers.kernels.rows.rms_norm` (see :func:`fusable_norm`).
+    ``(q_weight, k_weight, eps)`` of a per-head RMSNorm applied first, each row reduced in one fixed order
+    (module docstring; :func:`fusable_norm` says which norms fit).
     """
     tokens, hq, d = q.shape
     hkv = k.shape[1]
@@ -152,7 +157,7 @@ def rope_write_kv(
     if tokens:
         q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
         w_f32 = q_w.dtype == torch.float32 and q.dtype != torch.float32
-        # NOTE(invariance): one warp, as the row kernel reduces a row of this length (rows._warps)
+        # NOTE(invariance): one warp per (token, head) row, whatever the launch: a row's sum has one order
         _rope_write_kernel[(tokens, hq + hkv)](
             q, k, v, positions, cos, sin, slots, q_out, k_cache, v_cache, q_w, k_w, eps, tokens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
