@@ -152,6 +152,9 @@ if [ "$MODE" = full ] && want speedrows; then
   speed gpu_speed_rows --skip-offline ${SPEED_ROWS_ARGS:-}
   record "speed: decode b1/b256 canonical tok/s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_rows.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
 fi
+# serving: the image lacks the server's packages; carry their wheels (fastapi, starlette, uvicorn, h11, click,
+# anyio, sniffio, pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions,
+# prometheus_client; `pip download --no-deps --only-binary=:all: --python-version 3.12` into .whl/)
 if [ "$MODE" = full ] && want serving; then  # #29: the server under load; prefix caching on shared system prompts
   stage "serving: kvwarden serve at concurrency 1/16/64 (canonical, fast path); shared-prefix workload offline"
   speed gpu_serving --skip-offline --skip-rows --hybrid none --online --shared-prefix
