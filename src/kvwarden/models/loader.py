@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,11 +177,17 @@ def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
     return name.startswith("mtp.") or (cfg.mtp_layers > 0 and name.startswith(f"model.layers.{cfg.num_hidden_layers}."))
 
 
+def unread(names: Iterable[str], asked: set[str]) -> list[str]:
+    """The checkpoint tensors (sorted) that a model's construction never asked for, rotary tables aside
+    (recomputed from the config, never read)."""
+    return sorted(k for k in names if k not in asked and "rotary_emb" not in k)
+
+
 def _refuse_unused(cfg: ModelConfig, tensors: dict[str, torch.Tensor], asked: set[str]) -> None:
     """A checkpoint tensor the model never asked for would be ignored (a vision tower, a bias the family does
     not have, a layer past ``num_hidden_layers``): refuse it, naming it, rather than serve without it."""
-    # the MTP head: loaded when speculation asks for it; rotary tables: recomputed
-    unused = sorted(k for k in tensors if k not in asked and not is_mtp_tensor(cfg, k) and "rotary_emb" not in k)
+    # the MTP head: loaded when speculation asks for it
+    unused = [k for k in unread(tensors, asked) if not is_mtp_tensor(cfg, k)]
     if unused:
         more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
         raise ValueError(

@@ -24,7 +24,7 @@ from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import SchedulerOutput
 from kvwarden.engine.spec.mtp_graphs import MtpGraphs
 from kvwarden.engine.spec.target import SpecTarget
-from kvwarden.models.loader import TORCH_DTYPES
+from kvwarden.models.loader import TORCH_DTYPES, unread
 from kvwarden.models.mtp import MtpHead, has_mtp, mtp_names
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -53,7 +53,7 @@ class MtpProposer:
 
         self.target = target
         self.head = MtpHead(cfg, get, target.loaded.model)
-        unused = sorted(k for k in set(weights) - self.head.asked if "rotary_emb" not in k)  # tables: recomputed
+        unused = unread(weights, self.head.asked)
         if unused:  # a tensor of the head that the head would ignore: refused, as the loader refuses the model's
             raise ValueError(
                 f"checkpoint: MTP tensor {unused[0]!r} is not used by {cfg.architecture}'s MTP head; kvwarden "

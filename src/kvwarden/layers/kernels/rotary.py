@@ -48,8 +48,8 @@ def _rotate_row(row_ptr, pos, cos_ptr, sin_ptr, D, ROT, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _normed_row(row_ptr, w_ptr, eps, D, ROT, W_F32: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (token, head) row RMS-normalised, element and partner, in the row's dtype
-    (``rows._rms_norm_kernel``'s arithmetic, the per-row reduction over the same block)."""
+    """One (token, head) row RMS-normalised, element and partner, in the row's dtype: the row kernel's
+    element-wise formula and rounding points; the row's sum in this program's own fixed order (module note)."""
     d, partner = _partner(ROT, BLOCK_D)
     x = tl.load(row_ptr + d, mask=d < D, other=0.0)
     xf = x.to(tl.float32)
@@ -170,7 +170,7 @@ def rope_write_kv(
 def fusable_norm(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> bool:
     """Whether a per-head RMSNorm of ``x`` by these weights fits in :func:`rope_write_kv`: both weights of one
     dtype, the norm's output in the rows' own dtype (``rows.rms_norm``: a float32 weight scales in float32 and
-    keeps it; another promotes), and a head short enough for the row kernel's one-warp block."""
+    keeps it; another promotes), and a head short enough for one warp's block."""
     w_f32 = q_weight.dtype == torch.float32 and x.dtype != torch.float32
     out = x.dtype if w_f32 else torch.promote_types(x.dtype, q_weight.dtype)
     return q_weight.dtype == k_weight.dtype and out == x.dtype and triton.next_power_of_2(x.shape[-1]) < 1024
