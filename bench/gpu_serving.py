@@ -63,6 +63,7 @@ def online_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                     "ttft_ms_mean": 1e3 * statistics.fmean(s.ttft for s in ok) if ok else None,
                     "ttft_ms_p90": 1e3 * _p90([s.ttft for s in ok]) if ok else None,
                     "tpot_ms_mean": 1e3 * statistics.fmean(tpot) if tpot else None,
+                    "errors": sorted({s.error for s in samples if not s.ok})[:3],  # what failed, not only how many
                 }
             )
     return rows
@@ -119,6 +120,8 @@ def print_rows(result: dict[str, Any], console: Any) -> None:
             f"{r['ttft_ms_mean'] or float('nan'):.1f} ms (p90 {r['ttft_ms_p90'] or float('nan'):.1f}), TPOT "
             f"{r['tpot_ms_mean'] or float('nan'):.2f} ms, {r['failed']} failed"
         )
+        for error in r.get("errors", []):
+            console.print(f"    failed: {error}", highlight=False)
     for r in result.get("shared", []):
         console.print(
             f"  shared-prefix {r['engine']:10s} {r['workload']:8s} {r['output_tok_s']:9.1f} output tok/s, "

@@ -13,6 +13,7 @@
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
 #   scripts/gpu_check.sh full serving                 # kvwarden serve at concurrency 1/16/64; shared-prefix offline
+#                                                     # (SERVING_ARGS="--online" or "--shared-prefix": one of them)
 #   scripts/gpu_check.sh full pd                      # disaggregated prefill/decode on one GPU (needs NIXL in .whl/)
 #   scripts/gpu_check.sh full tests fla hybridspeed hybridprofile   # the hybrid family: kernels, fla, rows, profile
 #   scripts/gpu_check.sh full hybridmatrix truth      # (a)-(j) on both hybrids; bf16 error against float32 truth
@@ -154,10 +155,13 @@ if [ "$MODE" = full ] && want speedrows; then
 fi
 # serving: the image lacks the server's packages; carry their wheels (fastapi, starlette, uvicorn, h11, click,
 # anyio, sniffio, pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions,
-# prometheus_client; `pip download --no-deps --only-binary=:all: --python-version 3.12` into .whl/)
+# prometheus_client, opentelemetry_api and annotated_doc (fastapi >= 0.16x imports them), httpx, httpcore,
+# certifi, idna; `pip download --no-deps --only-binary=:all: --python-version 3.12` into .whl/)
 if [ "$MODE" = full ] && want serving; then  # #29: the server under load; prefix caching on shared system prompts
   stage "serving: kvwarden serve at concurrency 1/16/64 (canonical, fast path); shared-prefix workload offline"
-  speed gpu_serving --skip-offline --skip-rows --hybrid none --online --shared-prefix
+  python3 -c "import kvwarden.server.app, uvicorn, httpx" 2>&1 | tail -n 3 \
+    | sed 's/^/  server import check (a wheel to carry in .whl\/?): /'
+  speed gpu_serving --skip-offline --skip-rows --hybrid none ${SERVING_ARGS:---online --shared-prefix}
   record "online c1/c16/c64 tok/s canonical|fast" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['concurrency'], r['engine'][:4], round(r['output_tok_s']), round(r['tpot_ms_mean'] or 0, 2)) for r in d.get('online', [])])" 2>&1 | tail -n 1)"
   record "shared vs unshared prompts, output tok/s (cached share)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['engine'][:4], r['workload'], round(r['output_tok_s']), round(r['cached_share'], 2)) for r in d.get('shared', [])])" 2>&1 | tail -n 1)"
 fi

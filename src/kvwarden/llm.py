@@ -7,7 +7,14 @@ from collections.abc import Sequence
 import torch
 from rich.progress import Progress
 
-from kvwarden.config import CacheConfig, EngineConfig, NumericsConfig, SchedulerConfig, SpeculativeConfig
+from kvwarden.config import (
+    CacheConfig,
+    EngineConfig,
+    NumericsConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvwarden.engine.llm_engine import LLMEngine
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.prompt_ids import Prompt
@@ -60,6 +67,19 @@ class LLM:
             decode steps from CUDA graphs (same logits, less host time).
         cuda_graphs: ``"auto"`` / ``"off"`` / ``"emulate"`` (tests; see
             ``EngineConfig``); ``enforce_eager=True`` means ``"off"``.
+        context_parallel_size: ranks of this host a long step's rows are split
+            across (worker processes started here, stopped by :meth:`close`);
+            the logits are bitwise those of one rank. Attention-only models.
+        context_parallel_min_tokens: the shortest step that is split; shorter
+            ones run on this process and their K/V is copied to the workers.
+        layer_split: each rank stores only every n-th attention layer's cache
+            (n times the prefix-cache capacity); a layer's owner broadcasts
+            the step's context before its attention, the next layer prefetched.
+        unsafe_layer_split: testing only: read the broadcast buffer without
+            waiting for the broadcast (a race; changes the logits).
+        layer_split_delay_ms: testing only: each layer broadcast starts this late.
+
+    Use it as a context manager (or call :meth:`close`) when it starts workers.
     """
 
     def __init__(
@@ -86,6 +106,11 @@ class LLM:
         unsafe_topk: bool = False,
         enforce_eager: bool = False,
         cuda_graphs: str = "auto",
+        context_parallel_size: int = 1,
+        context_parallel_min_tokens: int = 256,
+        layer_split: bool = False,
+        unsafe_layer_split: bool = False,
+        layer_split_delay_ms: float = 0.0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -111,8 +136,25 @@ class LLM:
             numerics=NumericsConfig(mode=numerics, kernels=kernels, unsafe_topk=unsafe_topk),  # type: ignore[arg-type]
             speculative=SpeculativeConfig.from_dict(speculative_config),
             cuda_graphs="off" if enforce_eager else cuda_graphs,
+            parallel=ParallelConfig(
+                context_parallel_size,
+                context_parallel_min_tokens,
+                layer_split,
+                unsafe_layer_split,
+                layer_split_delay_ms,
+            ),
         )
         self.engine = LLMEngine(config)
+
+    def close(self) -> None:
+        """Stop the context-parallel workers, if any (idempotent; also done at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

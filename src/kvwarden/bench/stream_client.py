@@ -93,8 +93,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
                     out.output_tokens = usage.get("completion_tokens", 0)
                     out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-                texts = [c.get("text") or "" for c in chunk.get("choices", [])]
-                if any(texts):
+                choices = chunk.get("choices", [])
+                texts = [c.get("text") or "" for c in choices]
+                # A token whose text is empty still arrives: a choice without a finish reason (an id past the
+                # tokenizer's vocabulary, as a random-weight model with a padded embedding samples, or half
+                # of a UTF-8 character). Counting text only reported such streams as failed.
+                if any(texts) or any(c.get("finish_reason") is None for c in choices):
                     out.chunk_times.append(now)
                     parts.extend(texts)
     except httpx.HTTPError as exc:

@@ -81,6 +81,33 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         help="GPU only: share of the device's memory for weights, activations and the KV pool",
     )
     p.add_argument(
+        "--context-parallel-size",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="split a long step's rows across N ranks of this host (worker processes; gloo on the CPU, one GPU "
+        "each with NCCL); logits bitwise as with 1. Attention-only models",
+    )
+    p.add_argument(
+        "--context-parallel-min-tokens",
+        type=_positive,
+        default=256,
+        metavar="T",
+        help="with --context-parallel-size: steps of at least T rows are split; shorter ones run on rank 0",
+    )
+    p.add_argument(
+        "--layer-split",
+        action="store_true",
+        help="with --context-parallel-size N: each rank stores every N-th layer's KV cache (N times the "
+        "prefix-cache capacity); a layer's owner broadcasts it before its attention, the next one prefetched",
+    )
+    p.add_argument(
+        "--unsafe-layer-split",
+        action="store_true",
+        help="TESTING ONLY, with --layer-split: read a layer's broadcast buffer without waiting for the "
+        "broadcast (re-creates the race of an engine without the wait)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="GPU only: run decode steps eagerly instead of replaying CUDA graphs (same logits, slower)",
@@ -118,6 +145,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "unsafe_indexer_load": args.unsafe_indexer_load,
         "unsafe_topk": args.unsafe_topk,
         "enforce_eager": args.enforce_eager,
+        "context_parallel_size": args.context_parallel_size,
+        "context_parallel_min_tokens": args.context_parallel_min_tokens,
+        "layer_split": args.layer_split,
+        "unsafe_layer_split": args.unsafe_layer_split,
+        # testing only: `kvwarden serve --inject-fault layer-split-delay=MS` (other commands have no faults)
+        "layer_split_delay_ms": float(getattr(getattr(args, "faults", None), "layer_split_delay", None) or 0.0),
     }
 
 

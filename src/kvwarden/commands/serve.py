@@ -126,10 +126,14 @@ def run(args: argparse.Namespace) -> int:
     if args.pd_transfer_timeout <= 0:
         raise ValueError(f"--pd-transfer-timeout must be > 0 seconds, got {args.pd_transfer_timeout}")
     args.faults = Faults.parse(args.inject_fault)
+    if args.faults.layer_split_delay is not None and not args.layer_split:
+        raise ValueError("--inject-fault layer-split-delay: needs --layer-split")
     if args.faults.transfer_delay is not None and args.role != "prefill":
         raise ValueError("--inject-fault transfer-delay: applies to the prefill role (--role prefill)")
     if args.role != "both" and args.speculative_config:
         raise ValueError(f"--speculative-config: not supported with --role {args.role} yet (disaggregated requests)")
+    if args.role != "both" and args.context_parallel_size > 1:
+        raise ValueError(f"--context-parallel-size: not supported with --role {args.role} yet")
     if args.unsafe_pd_abort and args.role != "decode":
         raise ValueError("--unsafe-pd-abort: applies to the decode role (--role decode)")
     if args.threads is not None and args.threads < 1:

@@ -41,6 +41,7 @@ KNOWN: dict[str, tuple[type, str]] = {
     "fault-seed": (int, "seed of the draw that picks the requests hit (default 0)"),
     "host-load-delay": (float, "milliseconds each host-tier load waits before it copies (tests the wait before use)"),
     "transfer-delay": (float, "prefill role: milliseconds each KV transfer is spread over (aborts land mid-transfer)"),
+    "layer-split-delay": (float, "--layer-split: milliseconds each layer's broadcast starts late (tests the wait)"),
 }
 _RATES = ("kv_corruption", "repetition")
 
@@ -62,6 +63,7 @@ class Faults:
     fault_seed: int | None = None
     host_load_delay: float | None = None
     transfer_delay: float | None = None
+    layer_split_delay: float | None = None
 
     def __post_init__(self) -> None:
         for name in _RATES:

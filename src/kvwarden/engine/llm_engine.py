@@ -19,6 +19,8 @@ from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig, resolve_device
+from kvwarden.engine.context_parallel import ContextParallel
+from kvwarden.engine.context_parallel.layer_split import owned_layers
 from kvwarden.engine.memory import context_limit, num_cache_blocks
 from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.outputs import RequestOutput
@@ -85,6 +87,8 @@ class LLMEngine:
             self.kv = HybridCacheManager(self.kv, self.states)
         self.spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size, speculative=self.spec is not None)
+        par = config.parallel
+        graph_mode = "off" if par.layer_split else config.cuda_graphs  # the split runs every step on all ranks
         self.runner = ModelRunner(
             model,
             self.num_blocks,
@@ -92,9 +96,16 @@ class LLMEngine:
             config.numerics,
             self.states,
             cache.unsafe_host_load,
-            graphs=(config.cuda_graphs, self.max_model_len, config.scheduler.max_num_seqs),
+            graphs=(graph_mode, self.max_model_len, config.scheduler.max_num_seqs),
             spec_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
+            owned_layers=owned_layers(0, par.context_parallel_size, model.num_attention_layers)
+            if par.layer_split
+            else None,
         )
+        self.parallel: ContextParallel | None = None
+        if config.parallel.enabled:  # after the runner: the workers copy its pool's size and slot layout
+            self.parallel = ContextParallel(config, self.runner, self.num_blocks)
+            self.runner.attach_parallel(self.parallel)
         self.host: HostTier | None = None
         if cache.host_cache_bytes:
             if cache.unsafe_indexer_load and model.cfg.mla is None:
@@ -350,5 +361,26 @@ class LLMEngine:
             "spec_num_draft_tokens": spec.num_draft_tokens,
             "spec_num_accepted_tokens": spec.num_accepted_tokens,
             "spec_accepted_per_position": list(spec.accepted_per_position),
+            "context_parallel_size": self.config.parallel.context_parallel_size,
+            "kv_cache_bytes_per_rank": self._kv_bytes_per_rank(),
+            "layer_split_buffer_bytes": self.parallel.layers.peak_buffer_bytes
+            if self.parallel is not None and self.parallel.layers is not None
+            else 0,
+            "context_parallel_split_steps": self.parallel.split_steps if self.parallel is not None else 0,
             **(self.host.stats() if self.host is not None else {}),
         }
+
+    def _kv_bytes_per_rank(self) -> list[int]:
+        """Every rank's paged KV bytes: a full copy each, or under the layer split its owned layers'."""
+        par, kv = self.config.parallel, self.runner.kv_caches
+        if not par.layer_split:
+            return [kv.nbytes] * par.context_parallel_size
+        layers = len(kv)
+        per_layer = max(sum(t.numel() * t.element_size() for t in kv.raw(i)) for i in range(layers))
+        n = par.context_parallel_size
+        return [len(owned_layers(r, n, layers)) * per_layer for r in range(n)]
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (context-parallel workers); idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()

@@ -49,7 +49,12 @@ def num_cache_blocks(
     specs = model.recurrent_specs()
     block_size = config.cache.block_size
     # A recurrent-state snapshot lives with its block: count it in the per-block budget.
-    per_block = kv_bytes_per_block(model, block_size) + (StatePool.snapshot_bytes(specs) if specs else 0)
+    kv_block = kv_bytes_per_block(model, block_size)
+    par = config.parallel
+    if par.layer_split:  # each rank stores every n-th layer: the busiest rank's share sets the pool
+        layers = max(model.num_attention_layers, 1)
+        kv_block = kv_block * -(-layers // par.context_parallel_size) // layers
+    per_block = kv_block + (StatePool.snapshot_bytes(specs) if specs else 0)
     if config.speculative is not None and config.speculative.method == "mtp":
         # NOTE: the MTP head's attention layer has a KV cache with the pool's slots (spec/mtp.py): count it,
         # or a GPU pool sized to gpu_memory_utilization leaves no room for it (seen on an H200: OOM).

@@ -38,6 +38,18 @@ class KVCacheView(Protocol):
     def block_ids(self, request_id: str) -> list[int]: ...
 
 
+class StepParallel(Protocol):
+    """Context parallelism as the runner sees it (:class:`kvwarden.engine.context_parallel.ContextParallel`)."""
+
+    every_step: bool  # the layer split: no rank holds every layer, so every step runs on all ranks
+
+    def eligible(self, rows: int) -> bool: ...
+
+    def forward(self, entries: list[BatchEntry], split: bool) -> torch.Tensor: ...
+
+    def sync(self, entries: list[BatchEntry]) -> None: ...
+
+
 @dataclass
 class StepLogits:
     """Logits the sampler needs from one step.
@@ -92,9 +104,12 @@ class ModelRunner:
         unsafe_host_load: bool = False,
         graphs: tuple[str, int, int] = ("off", 0, 0),
         spec_tokens: int = 0,
+        owned_layers: set[int] | None = None,
     ) -> None:
         """``graphs``: ``(mode, max_model_len, max_num_seqs)`` of the decode CUDA graphs (``mode`` as
-        ``EngineConfig.cuda_graphs``); ``spec_tokens``: drafts per verify step (verify graphs too)."""
+        ``EngineConfig.cuda_graphs``); ``spec_tokens``: drafts per verify step (verify graphs too);
+        ``owned_layers``: under context parallelism's layer split, the attention layers whose cache this
+        rank stores (the others get no slots); None: every layer."""
         self.model = model
         self.states = states
         self.tracer: TraceSink | None = None  # set by tools that trace activations
@@ -106,8 +121,15 @@ class ModelRunner:
         slots = self.null_slot + 2  # the null slot stays all zero; the last one is the graphs' scratch
         layers = model.num_attention_layers
         # Layer i's tensors are reached only through kv_caches[i], which waits for its pending host-tier copies.
-        self.kv_caches = PagedKV([model.new_kv_cache(slots) for _ in range(layers)], unsafe_host_load)
+        owned = range(layers) if owned_layers is None else owned_layers
+        caches = [model.new_kv_cache(slots if i in owned else 0) for i in range(layers)]
+        self.kv_caches = PagedKV(caches, unsafe_host_load)
         self.graphs = self._make_graphs(*graphs, spec_tokens)
+        self.parallel: StepParallel | None = None  # context parallelism (attach_parallel)
+
+    def attach_parallel(self, parallel: StepParallel) -> None:
+        """Split long steps across ranks from now on; every other step's K/V is copied to them."""
+        self.parallel = parallel
 
     def _make_graphs(self, mode: str, max_model_len: int, max_num_seqs: int, spec_tokens: int) -> DecodeGraphs | None:
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
@@ -133,12 +155,16 @@ class ModelRunner:
 
     def will_replay(self, out: SchedulerOutput) -> bool:
         """Whether :meth:`execute` runs this step from the graphs' static buffers."""
+        if self.parallel is not None and self.parallel.every_step:
+            return False
         return self.graphs is not None and self.tracer is None and self.graphs.fits(out.chunks)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
         if self.graphs is not None and self.will_replay(out):
             got = self.graphs.run(out.chunks, kv)
+            if self.parallel is not None:
+                self.parallel.sync(self._step_entries(out, kv))
             q = got.q
             first = {c.request.request_id: i * q for i, c in enumerate(out.chunks)}
             # a request samples its real rows only: its last token's (a prompt chunk's last), then its drafts'
@@ -147,18 +173,15 @@ class ModelRunner:
                 for i, c in enumerate(out.chunks)
             }
             return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified, q)
-        entries: list[BatchEntry] = []
+        entries = self._step_entries(out, kv)
         sample_rows: dict[str, list[int]] = {}
         hidden_rows: dict[str, int] = {}
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
         want_rows: list[int] = []
         row0 = 0
-        for chunk in out.chunks:
-            req = chunk.request
+        for chunk, entry in zip(out.chunks, entries, strict=True):
+            req, ids = chunk.request, entry.token_ids
             hidden_rows[req.request_id] = row0
-            # Draft tokens are scored after the chunk as if they were the request's next tokens.
-            ids = req.all_token_ids[chunk.start : chunk.end] + req.spec_token_ids[: chunk.num_spec]
-            entries.append(BatchEntry(req.request_id, ids, chunk.start, kv.block_ids(req.request_id)))
             scored = min(chunk.end, req.num_prompt_tokens) - chunk.start
             if req.wants_prompt_scores and scored > 0:
                 # Row of position j holds the distribution of token j+1.
@@ -175,22 +198,51 @@ class ModelRunner:
             for c in out.chunks
             if c.num_spec
         }
-        batch = self.make_batch(entries, tokens=tokens)
-        hidden = self.model.forward(batch, self.kv_caches)
+        par = self.parallel
+        split = par is not None and self.tracer is None and par.eligible(row0)
+        if par is not None and (split or par.every_step):
+            hidden = par.forward(entries, split)  # NOTE(invariance): shares are chunks (context_parallel/shares.py)
+        else:
+            batch = self.make_batch(entries, tokens=tokens)
+            hidden = self.model.forward(batch, self.kv_caches)
+            if self.parallel is not None:
+                self.parallel.sync(entries)
         if want_rows:
             logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(self.device)])
         else:
             logits = torch.empty((0, 0), device=self.device)
         return StepLogits(logits, sample_rows, prompt_rows, hidden, hidden_rows)
 
+    @staticmethod
+    def _step_entries(out: SchedulerOutput, kv: KVCacheView) -> list[BatchEntry]:
+        """Every chunk's rows as batch entries; draft tokens are scored after the chunk as if they were the
+        request's next tokens."""
+        entries = []
+        for c in out.chunks:
+            req = c.request
+            ids = req.all_token_ids[c.start : c.end] + req.spec_token_ids[: c.num_spec]
+            entries.append(BatchEntry(req.request_id, ids, c.start, kv.block_ids(req.request_id)))
+        return entries
+
+    def slot_rows(self, entries: list[BatchEntry]) -> torch.Tensor:
+        """The flat cache slot of every row of ``entries``, in row order (host tensor)."""
+        if not entries:
+            return torch.empty(0, dtype=torch.long)
+        return torch.cat([self._slots(e.block_ids, e.start + len(e.token_ids))[e.start :] for e in entries])
+
     def make_batch(
-        self, entries: list[BatchEntry], with_states: bool = True, tokens: dict[str, range] | None = None
+        self,
+        entries: list[BatchEntry],
+        with_states: bool = True,
+        tokens: dict[str, range] | None = None,
+        null_slot: int | None = None,
     ) -> ForwardBatch:
         """The step's tensors for rows of several requests (host-built, copied to the device once).
 
         ``with_states=False``: a forward without recurrent layers (the MTP head's). ``tokens``: per verify
         chunk, the rows after which the batched kernels keep its recurrent state (the return after a
-        rejected draft)."""
+        rejected draft). ``null_slot``: the all-zero slot of the caches the step reads when they are not
+        the pool's (layer split's view buffers)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[torch.Tensor] = []
@@ -206,7 +258,7 @@ class ModelRunner:
             slot_list.append(slots[e.start : end])
             seqs.append(SeqAttn(row0, len(e.token_ids), e.start, slots))
             slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
-        plan = self.ops.attention_plan(seqs, len(ids), block_ids, self.null_slot)
+        plan = self.ops.attention_plan(seqs, len(ids), block_ids, self.null_slot if null_slot is None else null_slot)
         dev = self.device
         recurrent = None
         if with_states and self.states is not None and self.ops.batched_recurrent:

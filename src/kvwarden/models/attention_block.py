@@ -57,6 +57,7 @@ class AttentionBlock:
         # one kernel on a GPU: per-head norms, rotary, the K/V write (a traced step runs the very same kernel, so
         # tracing changes no bit; its rotated K is read back from the cache slots it was written to)
         q = ops.rope_write_kv(self.rope, q, k, v, batch.positions, kv, batch.slot_mapping, norms)
+        batch.exchange_kv(kv)  # context parallelism: the other ranks' rows of the step, before any read
         k_cache, v_cache = kv
         if batch.tracer is not None:
             batch.trace(f"{self.name}.q", q)

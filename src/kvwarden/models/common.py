@@ -57,6 +57,8 @@ class ForwardBatch:
             full indexer layer (``models/mla_block.py``); the layers that share it read it.
         dsa_keys: on the GPU backends, every query's key table ``(slots [requests, context], request of
             each row [rows])``, built once per step by the first full indexer layer.
+        kv_exchange: under context parallelism, called by every attention layer between writing its rows'
+            K/V and reading the cache: the other ranks' rows of the step land in this rank's cache.
     """
 
     input_ids: torch.Tensor
@@ -73,6 +75,12 @@ class ForwardBatch:
     # DSA (GLM-5): the last full indexer layer's selection, read by the shared layers after it
     dsa_selection: tuple[torch.Tensor, torch.Tensor] | None = None
     dsa_keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    kv_exchange: Callable[[tuple[torch.Tensor, torch.Tensor]], None] | None = None
+
+    def exchange_kv(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The step's other rows' K/V into this rank's cache (context parallelism; else nothing)."""
+        if self.kv_exchange is not None:
+            self.kv_exchange(kv)
 
     def trace(self, name: str, rows: torch.Tensor) -> None:
         if self.tracer is not None:

@@ -125,6 +125,8 @@ class MlaBlock:
         if self.indexer is not None:
             k_index = self.indexer.keys(x, cos, sin)
             index_cache.index_copy_(0, batch.slot_mapping, k_index.unsqueeze(1).to(index_cache.dtype))
+        batch.exchange_kv(kv)  # context parallelism: both caches' rows of the other ranks, before any read
+        if self.indexer is not None:
             q_index, weights = self.indexer.queries(x, q_latent, cos, sin)
             if self.kernels is not None:
                 batch.dsa_selection = self._select_on_device(q_index, weights, index_cache, batch)

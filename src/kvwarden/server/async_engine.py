@@ -104,6 +104,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
         self.faults = faults or Faults()
+        if self.faults.kv_corruption is not None and engine.parallel is not None:
+            raise ValueError("--inject-fault kv-corruption: not supported with --context-parallel-size > 1")
         if self.faults.touches_requests:
             engine.faults = FaultInjector(self.faults)
         if self.faults.host_load_delay is not None:
@@ -127,6 +129,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the engine thread no longer steps: its workers may go
+            self.engine.close()
 
     @property
     def kv_capacity(self) -> int:

@@ -31,6 +31,7 @@ _COUNTERS = {
     "spec_num_drafts": ("spec_decode_num_drafts", "Verify steps that scored draft tokens"),
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and scored"),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    "context_parallel_split_steps": ("context_parallel_split_steps", "Steps split across the context-parallel ranks"),
 }
 _GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch"),
@@ -71,6 +72,14 @@ class _EngineCollector(Collector):
         for position, count in enumerate(snap.get("spec_accepted_per_position", [])):
             per_pos.add_metric([str(position)], count)
         yield per_pos
+        per_rank = GaugeMetricFamily(
+            "kvwarden:kv_cache_bytes_per_rank",
+            "Bytes of paged KV tensors each context-parallel rank holds (rank 0 alone without context parallelism)",
+            labels=["rank"],
+        )
+        for rank, nbytes in enumerate(snap.get("kv_cache_bytes_per_rank", [])):
+            per_rank.add_metric([str(rank)], nbytes)
+        yield per_rank
         # Info gauges (always 1) carrying the configuration as labels, as vLLM's
         # vllm:cache_config_info does: the probe reads the block size and budget from here.
         for name, (doc, labels) in self.metrics.config_info().items():

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from kvwarden.config import SpeculativeConfig
+from kvwarden.config import ParallelConfig, SpeculativeConfig
 from kvwarden.engine.model_runner import StepLogits
 from kvwarden.engine.request import Request, Status
 from kvwarden.engine.sampler import sample_row
@@ -45,7 +45,9 @@ class DraftModelProposer:
             unsafe_host_load=False,
             unsafe_indexer_load=False,
         )
-        self.draft = make_engine(replace(target.config, model=spec.model, speculative=None, cache=cache))
+        self.draft = make_engine(
+            replace(target.config, model=spec.model, speculative=None, cache=cache, parallel=ParallelConfig())
+        )
         self.target_vocab = target.model_config.vocab_size
         _check_vocabulary(spec.model, self.draft, target)
         self.shadows: dict[str, Request] = {}
