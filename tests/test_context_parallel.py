@@ -7,6 +7,7 @@ so the tests build few of them: dense (Llama, Qwen3 in bfloat16) and sparse atte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -32,6 +33,7 @@ from server_util import running_server
 
 BLOCK = 16
 MIN_TOKENS = 32  # small enough that the tests' prompts are split, not only their decode steps synced
+
 
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
@@ -182,7 +184,37 @@ def test_a_dead_worker_fails_the_step_with_its_name(llama_tiny: Path) -> None:
     worker.wait(timeout=10)
     with pytest.raises(RuntimeError, match="context-parallel rank 1 exited"):
         llm.generate([_prompt(8, 120)], SamplingParams(max_tokens=2))
+    # the ranks may stand at different collectives now: the group is not reused, every later step says why
+    with pytest.raises(RuntimeError, match=r"rank 1 exited.*ranks are stopped; build a new engine"):
+        llm.engine.parallel.forward([BatchEntry("x", _prompt(9, 40), 0, [0, 1, 2])], split=True)
     llm.close()
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+    return out
+
+
+def test_the_ranks_listen_on_loopback_only(llama_tiny: Path) -> None:
+    """Every socket rank 0 and its worker listen on - the store's (torch's own would listen on every
+    interface) and gloo's - is bound to 127.0.0.1."""
+    with LLM(str(llama_tiny), device="cpu", context_parallel_size=2) as llm:
+        inodes = _socket_inodes(os.getpid()) | _socket_inodes(llm.engine.parallel.procs[0].pid)
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, ours
+                    listening.append(fields[1].rsplit(":", 1)[0])
+        port = llm.engine.parallel.store.port
+    assert len(listening) >= 2  # the store and at least one gloo listener
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
+    assert all(address in loopback for address in listening), (listening, port)
 
 
 def test_a_server_with_two_ranks_answers_as_one(llama_tiny: Path) -> None:

@@ -244,8 +244,8 @@ class ParallelConfig:
     """Context parallelism: one step's rows split over several processes of one host.
 
     Attributes:
-        context_parallel_size: ranks (processes; one GPU each on CUDA, gloo on the CPU). Rank 0 is the
-            engine's own process (scheduler, sampler, server); ranks 1.. are workers that hold a copy of
+        context_parallel_size: ranks (processes of this host, gloo on loopback; CPU only so far). Rank 0 is
+            the engine's own process (scheduler, sampler, server); ranks 1.. are workers that hold a copy of
             the weights and of the KV cache and compute their share of a long step's rows.
         context_parallel_min_tokens: steps with at least this many rows are split across the ranks; a
             shorter step (decode, a short chunk) runs on rank 0 alone and its new K/V rows are then

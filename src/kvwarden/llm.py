@@ -67,9 +67,10 @@ class LLM:
             decode steps from CUDA graphs (same logits, less host time).
         cuda_graphs: ``"auto"`` / ``"off"`` / ``"emulate"`` (tests; see
             ``EngineConfig``); ``enforce_eager=True`` means ``"off"``.
-        context_parallel_size: ranks of this host a long step's rows are split
-            across (worker processes started here, stopped by :meth:`close`);
-            the logits are bitwise those of one rank. Attention-only models.
+        context_parallel_size: processes of this host a long step's rows are
+            split across (workers started here, stopped by :meth:`close`; CPU
+            only so far); with canonical numerics the logits are bitwise those
+            of one rank. Attention-only models.
         context_parallel_min_tokens: the shortest step that is split; shorter
             ones run on this process and their K/V is copied to the workers.
         layer_split: each rank stores only every n-th attention layer's cache

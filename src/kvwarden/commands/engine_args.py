@@ -85,8 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         type=_positive,
         default=1,
         metavar="N",
-        help="split a long step's rows across N ranks of this host (worker processes; gloo on the CPU, one GPU "
-        "each with NCCL); logits bitwise as with 1. Attention-only models",
+        help="split a long step's rows across N processes of this host (CPU, gloo on loopback); with canonical "
+        "numerics the logits are bitwise those of 1. Attention-only models",
     )
     p.add_argument(
         "--context-parallel-min-tokens",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import pickle
 import subprocess
 import sys
 import time
@@ -16,6 +16,7 @@ from kvwarden.config import EngineConfig
 from kvwarden.engine.context_parallel.exchange import sync_rows
 from kvwarden.engine.context_parallel.group import COLLECTIVE_TIMEOUT_S, RankGroup, as_bytes
 from kvwarden.engine.context_parallel.layer_split import LayerSplitKV, layer_split_kv
+from kvwarden.engine.context_parallel.messages import FORWARD, STOP, SYNC, encode_setup, encode_step
 from kvwarden.engine.context_parallel.step import forward_share
 from kvwarden.engine.model_runner import BatchEntry, ModelRunner
 
@@ -34,9 +35,12 @@ def unsupported(config: EngineConfig, runner: ModelRunner) -> str | None:
         )
     if config.cache.host_cache_bytes:
         return "context_parallel_size: not supported with the host tier (host_cache_bytes) yet"
-    if runner.device.type == "cuda" and torch.cuda.device_count() < config.parallel.context_parallel_size:
-        n = torch.cuda.device_count()
-        return f"context_parallel_size: {config.parallel.context_parallel_size} ranks need as many GPUs; {n} visible"
+    if runner.device.type != "cpu":
+        # NOTE: the ranks' groups are gloo's; GPUs need NCCL groups, a device per rank and a prefetch stream
+        # of its own, which nothing here has run on yet (no machine with two GPUs): refused, not guessed.
+        return "context_parallel_size: runs on the CPU only so far (device='cpu'); GPU ranks are not supported yet"
+    if config.cuda_graphs == "emulate" and config.parallel.layer_split:
+        return "cuda_graphs: 'emulate' cannot be combined with layer_split (every step runs on all ranks, eagerly)"
     return None
 
 
@@ -55,10 +59,12 @@ class ContextParallel:
         self.world, self.min_tokens = par.context_parallel_size, par.context_parallel_min_tokens
         self.runner = runner
         self.layers: LayerSplitKV | None = None
+        self.group: RankGroup | None = None
+        self.broken: str | None = None
         self._step = 0
         self.store = RankGroup.open_store(self.world, COLLECTIVE_TIMEOUT_S)
         threads = max(1, (os.cpu_count() or 1) // self.world)
-        self.store.set("config", pickle.dumps((config, num_blocks, threads)))
+        self.store.set("config", encode_setup(config, num_blocks, threads))
         self.procs = [self._spawn(rank) for rank in range(1, self.world)]
         self._finalizer = weakref.finalize(self, _stop_all, self.procs)
         self._wait_ready()
@@ -66,13 +72,13 @@ class ContextParallel:
         self.every_step = par.layer_split
         self.layers = layer_split_kv(runner, self.store, 0, config) if par.layer_split else None
         self.split_steps = 0
-        self.synced_steps = 0
         log.info("context parallelism: %d ranks, steps of >= %d rows split", self.world, self.min_tokens)
 
     def _spawn(self, rank: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "kvwarden.engine.context_parallel.worker", "--port", str(self.store.port)]
         cmd += ["--rank", str(rank), "--world", str(self.world), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        # its own session: a Ctrl-C meant for the server reaches rank 0 alone, which then stops the workers
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -106,12 +112,12 @@ class ContextParallel:
     def forward(self, entries: list[BatchEntry], split: bool) -> torch.Tensor:
         """The step's final hidden rows ``[rows, hidden]``: each rank computing its share (``split``), or
         rank 0 all of them with the others serving their layers (layer split, a short step)."""
-        self._post(("forward", entries, split))
+        self._post(encode_step(FORWARD, entries, split))
         try:
             hidden, counts = forward_share(self.runner, entries, self.group, split, self.layers)
             parts = self.group.gather_rows(as_bytes(hidden), counts)
-        except RuntimeError as e:
-            raise RuntimeError(f"context-parallel step failed: {self._failure() or e}") from e
+        except BaseException as e:
+            raise self._break("step", e) from e
         self.split_steps += split
         return torch.cat(parts).view(hidden.dtype).view(sum(counts), -1)
 
@@ -119,33 +125,47 @@ class ContextParallel:
         """Copy the K/V rows a step rank 0 ran alone wrote into every worker's cache."""
         if not entries:
             return
-        self._post(("sync", entries))
+        self._post(encode_step(SYNC, entries))
         try:
             sync_rows(self.runner, entries, self.group)
-        except RuntimeError as e:
-            raise RuntimeError(f"context-parallel sync failed: {self._failure() or e}") from e
-        self.synced_steps += 1
+        except BaseException as e:
+            raise self._break("sync", e) from e
 
-    def _post(self, msg: tuple) -> None:
+    def _break(self, what: str, cause: BaseException) -> RuntimeError:
+        """A step failed part-way: the ranks may stand at different collectives, so the group cannot be
+        reused (a later collective would pair with a stale one). End the workers; every later step fails."""
+        self.broken = f"context-parallel {what} failed: {self._failure() or cause!r}"
+        self._finalizer()
+        return RuntimeError(self.broken)
+
+    def _post(self, data: bytes) -> None:
         """One key per worker (``step{n}/{rank}``): each worker deletes its own after reading it."""
-        data = pickle.dumps(msg)
+        if self.broken is not None:
+            raise RuntimeError(f"{self.broken} (the context-parallel ranks are stopped; build a new engine)")
+        if self.group is None:
+            raise RuntimeError("context parallelism: the engine was closed")
         for rank in range(1, self.world):
             self.store.set(f"step{self._step}/{rank}", data)
         self._step += 1
 
     def close(self) -> None:
-        """Stop the workers: each ends its loop on the stop message (idempotent)."""
-        if not self._finalizer.alive:
-            return
+        """Stop the workers (each ends its loop on the stop message), the groups and the store (idempotent)."""
+        if self._finalizer.alive and self.broken is None:
+            try:
+                self._post(encode_step(STOP))
+                for proc in self.procs:
+                    proc.wait(timeout=10)
+            except Exception:  # the store is gone or a worker is stuck: the finalizer ends them
+                pass
+        self._finalizer()
         if self.layers is not None:
             self.layers.prefetch.close()
-        try:
-            self._post(("stop",))
-            for proc in self.procs:
-                proc.wait(timeout=10)
-        except Exception:  # the store is gone or a worker is stuck: the finalizer ends them
-            pass
-        self._finalizer()
+        for group in (self.group, self.layers.prefetch.group if self.layers is not None else None):
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    group.close()
+        self.group = self.layers = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]  # its listening socket closes with it
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:

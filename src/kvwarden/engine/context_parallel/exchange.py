@@ -1,9 +1,9 @@
 """Moving K/V rows between the ranks' caches: per layer inside a split step, and after a rank-0 step.
 
-Every rank keeps a full copy of every attention layer's cache, in the same slots (rank 0's block
-tables are the only ones; the workers' pools are never allocated from, only written). So a prefix hit,
-a preemption or a finished request needs nothing from the workers: the slots hold the same bits on
-every rank.
+Without the layer split every rank keeps a full copy of every attention layer's cache, in the same
+slots (rank 0's block tables are the only ones; the workers' pools are never allocated from, only
+written). So a prefix hit, a preemption or a finished request needs nothing from the workers: the
+slots hold the same bits on every rank. (The layer split's exchange is ``layer_split.SplitExchange``.)
 """
 
 from __future__ import annotations

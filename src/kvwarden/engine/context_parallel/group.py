@@ -1,14 +1,19 @@
-"""The ranks of one host as a process group: a TCP store and gloo (CPU) or NCCL (CUDA) on loopback.
+"""The ranks of one host as a process group: a TCP store and gloo, both on loopback only.
 
 The group is built from torch's process-group classes directly, not ``torch.distributed``'s default
 group: an engine is one object among others in the user's process (tests build several), and the
 default group is process-wide state that only one of them could own.
+
+NOTE(security): the store's listening socket is bound to 127.0.0.1 by us (``master_listen_fd``; torch's
+own would listen on every interface), gloo's pairs to 127.0.0.1, and what travels through the store is
+JSON, never pickle: a local process that writes a key cannot run code in a worker.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import socket
 
 import torch
 import torch.distributed as dist
@@ -27,21 +32,24 @@ class RankGroup:
     """
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"context parallelism: gloo groups hold CPU tensors, not {device.type}")
         self.rank, self.world, self.device = rank, world, device
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if device.type == "cuda":
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, world)  # type: ignore[assignment]
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupGloo(store, rank, world, opts)  # type: ignore[assignment]
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = dist.ProcessGroupGloo(store, rank, world, opts)
 
     @staticmethod
     def open_store(world: int, timeout_s: float) -> dist.TCPStore:
-        """Rank 0's store on a free loopback port (``store.port``); the workers connect to it."""
+        """Rank 0's store on a free port of 127.0.0.1 (``store.port``); the workers connect to it."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((HOST, 0))
+        sock.listen(64)
+        port = sock.getsockname()[1]
         timeout = datetime.timedelta(seconds=timeout_s)
-        return dist.TCPStore(HOST, 0, world, True, timeout=timeout, wait_for_workers=False)
+        # the store owns the listening descriptor from here on (detach: Python will not close it)
+        return dist.TCPStore(HOST, port, world, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach())
 
     @staticmethod
     def connect_store(port: int, world: int, timeout_s: float) -> dist.TCPStore:
@@ -56,9 +64,6 @@ class RankGroup:
 
     def gather_rows(self, rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
         """Rank 0: every rank's byte rows in rank order; the other ranks: an empty list."""
-        if self.device.type == "cuda":  # NCCL's process group has no gather: gather everywhere, keep on rank 0
-            parts = self.all_gather_rows(rows, counts)
-            return parts if self.rank == 0 else []
         padded = _pad(rows, max(counts))
         opts = dist.GatherOptions()
         opts.rootRank = 0

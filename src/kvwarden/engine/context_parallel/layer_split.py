@@ -5,8 +5,8 @@ through a *view*: the blocks the step's requests read, renumbered ``0 .. m-1`` (
 every rank, built from the step's entries). Before layer ``i``'s K/V write, its owner's cache rows of the
 view arrive in a view buffer by broadcast; the rows the step computes are then written into the buffer
 and exchanged as without the split, and the owner also writes them into its own cache. Two view buffers
-alternate, so layer ``i + 1``'s broadcast runs on a prefetch thread with its own process group (a CUDA
-stream and communicator on GPUs) while layer ``i`` computes.
+alternate, so layer ``i + 1``'s broadcast runs on a prefetch thread with its own process group while
+layer ``i`` computes (on GPUs that would be a CUDA stream and a communicator of its own; not built yet).
 
 NOTE(invariant): ``kv[i]`` is the only way to layer ``i``'s buffer, and it waits for that layer's
 broadcast: a new reader cannot forget the wait. ``unsafe_layer_split`` (testing only) skips it and reads
@@ -91,6 +91,9 @@ class Prefetcher:
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
             job, done = item
+            if self.error is not None:  # the group is broken: later jobs would pair with stale collectives
+                done.set()
+                continue
             try:
                 if self.delay_s:  # testing only (--inject-fault layer-split-delay): the broadcast lands late
                     time.sleep(self.delay_s)
@@ -165,11 +168,11 @@ class LayerSplitKV:
 
     def _start(self, layer: int) -> None:
         buffer, src, n = self.buffers[layer % 2], owner(layer, self.world), len(self._pool_slots)
-        pool, view_slots = self.runner.kv_caches.raw(layer), self._view_slots
+        pool, view_slots, pool_slots = self.runner.kv_caches.raw(layer), self._view_slots, self._pool_slots
 
-        def job() -> None:
+        def job() -> None:  # reads only what was captured at submission: the step's own view
             if self.rank == src:
-                payload = rows_bytes(pool, self._pool_slots)
+                payload = rows_bytes(pool, pool_slots)
             else:
                 payload = torch.empty((n, row_width(buffer)), dtype=torch.uint8, device=self.runner.device)
             self.prefetch.group.broadcast_rows(payload, root=src)

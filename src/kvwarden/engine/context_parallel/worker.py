@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import datetime
 import os
-import pickle
+import signal
 import traceback
 
 import torch
@@ -22,6 +24,7 @@ from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.context_parallel.exchange import sync_rows
 from kvwarden.engine.context_parallel.group import RankGroup, as_bytes
 from kvwarden.engine.context_parallel.layer_split import LayerSplitKV, layer_split_kv, owned_layers
+from kvwarden.engine.context_parallel.messages import FORWARD, STOP, decode_setup, decode_step
 from kvwarden.engine.context_parallel.step import forward_share
 from kvwarden.engine.model_runner import ModelRunner
 from kvwarden.layers.backends import make_ops
@@ -34,10 +37,7 @@ IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 
 def build_runner(config: EngineConfig, num_blocks: int, rank: int) -> ModelRunner:
     """The model and a KV cache of rank 0's size, eager (no graphs: split steps run outside them)."""
-    device = resolve_device(config.device)
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    ops = make_ops(config.numerics, device)
+    ops = make_ops(config.numerics, resolve_device(config.device))
     loaded = load(resolve_model(config.model), config.dtype, ops, config.max_model_len)
     par, layers = config.parallel, loaded.model.num_attention_layers
     owned = owned_layers(rank, par.context_parallel_size, layers) if par.layer_split else None
@@ -49,17 +49,17 @@ def serve(runner: ModelRunner, group: RankGroup, store: dist.Store, layers: Laye
     step = 0
     while True:
         key = f"step{step}/{group.rank}"
-        msg = pickle.loads(store.get(key))
+        kind, entries, split = decode_step(store.get(key))
         store.delete_key(key)
         step += 1
-        if msg[0] == "stop":
+        if kind == STOP:
             return
         with torch.inference_mode():
-            if msg[0] == "forward":
-                hidden, counts = forward_share(runner, msg[1], group, msg[2], layers)
+            if kind == FORWARD:
+                hidden, counts = forward_share(runner, entries, group, split, layers)
                 group.gather_rows(as_bytes(hidden), counts)
             else:
-                sync_rows(runner, msg[1], group)
+                sync_rows(runner, entries, group)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--timeout", type=float, required=True, help="seconds a collective may wait for a peer")
     args = p.parse_args(argv)
+    _die_with_parent()
     store = None
     try:
         store = RankGroup.connect_store(args.port, args.world, args.timeout)
-        config, num_blocks, threads = pickle.loads(store.get("config"))
+        config, num_blocks, threads = decode_setup(store.get("config"))
         torch.set_num_threads(threads)
         runner = build_runner(config, num_blocks, args.rank)
         store.set(f"ready{args.rank}", b"1")
@@ -89,6 +90,16 @@ def main(argv: list[str] | None = None) -> int:
                 store.set(f"error{args.rank}", text.encode())
         print(f"kvwarden context-parallel rank {args.rank} (pid {os.getpid()}): {text}", flush=True)
         return 1
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this worker when rank 0's process ends, however it ends (Linux; elsewhere the store's
+    closed connection ends the wait for the next message)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # rank 0 ended before the line above ran
+        raise SystemExit(1)
 
 
 def _delta(seconds: float) -> datetime.timedelta:
