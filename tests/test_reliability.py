@@ -172,3 +172,27 @@ def test_checkpoints_refused_with_reasons(llama_tiny: Path, tmp_path: Path) -> N
     (small_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
     with pytest.raises(ValueError, match=r"tokenizer: .* the model's embedding has 500 rows"):
         LLM(str(small_vocab))
+
+
+def test_non_finite_logits_end_that_request_by_name_and_nothing_else(llama_tiny: Path, tmp_path: Path) -> None:
+    """A checkpoint whose LM head has a NaN row gives NaN logits at every position: each request ends at its
+    first token with ``non_finite_logits`` (not an arbitrary token, not a dead engine); the server answers
+    500 with that code and stays up, and every block goes back to the pool."""
+    from kvwarden import SamplingParams
+
+    broken = tmp_path / "nan-head"
+    shutil.copytree(llama_tiny, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["lm_head.weight"][7] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(broken), device="cpu")
+    greedy, seeded = SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.8, seed=1)
+    for out in llm.generate([[5, 6, 7, 8], [9, 10, 11]], [greedy, seeded]):
+        assert out.finish_reason == "abort" and out.token_ids == [], out
+        assert out.error_code == "non_finite_logits" and "position" in (out.error or "")
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_free_blocks == llm.engine.num_blocks
+    with running_server(str(broken), "--device", "cpu", "--served-model-name", "tiny") as server:
+        r = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_logits", r.text
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -27,7 +27,7 @@ from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
 from kvwarden.engine.remote_kv import RemoteKV
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import RowTops, row_math_for
+from kvwarden.engine.sampler import NonFiniteLogits, RowTops, row_math_for
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler
 from kvwarden.engine.spec.speculator import Speculator
@@ -260,9 +260,12 @@ class LLMEngine:
             # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
             masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
         except GrammarFailure as exc:
-            return self._fail_grammar(chunk, exc, step)
+            return self._fail(chunk, exc, step)
         args = (req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre, masks)
-        samples, accepted = verify(rows, drafts, *args)
+        try:
+            samples, accepted = verify(rows, drafts, *args)
+        except NonFiniteLogits as exc:
+            return self._fail(chunk, exc, step)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
         reason = None
@@ -271,7 +274,7 @@ class LLMEngine:
                 try:
                     req.grammar.accept(sample.token_id)
                 except GrammarFailure as exc:
-                    return self._fail_grammar(chunk, exc, step)
+                    return self._fail(chunk, exc, step)
             req.append_token(sample.token_id)
             req.sampled_logprobs.append(sample.logprob)
             if req.params.logprobs is not None:
@@ -290,13 +293,15 @@ class LLMEngine:
             return None
         return RequestOutput.of(req, self._prompts.get(req.request_id))
 
-    def _fail_grammar(self, chunk: ScheduledChunk, exc: GrammarFailure, step: StepLogits) -> RequestOutput:
-        """End a request whose grammar cannot go on (its error says why); the rest of the batch is untouched."""
+    def _fail(self, chunk: ScheduledChunk, exc: Exception, step: StepLogits) -> RequestOutput:
+        """End a request that cannot go on (a grammar with no way forward, non-finite logits; its error says
+        why); the rest of the batch is untouched."""
         req = chunk.request
         if chunk.num_spec and self.speculator is not None:
             self.speculator.commit(chunk, 0, 0, step.verified)  # nothing of the step's drafts is kept
         req.spec_token_ids = []
         req.error = str(exc)
+        req.error_code = getattr(exc, "code", "request_failed")
         return self._finish(req, "abort")
 
     def _inject(self, req: Request) -> None:

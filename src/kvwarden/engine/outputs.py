@@ -31,7 +31,8 @@ class RequestOutput:
             ``num_draft_tokens``, ``num_accepted_tokens``, ``accept_length``,
             ``accept_rate``), ``None`` when speculation is off.
         error: why the engine ended the request itself (a structured output's grammar that could not
-            go on), with ``finish_reason`` ``"abort"``; ``None`` otherwise.
+            go on, non-finite logits), with ``finish_reason`` ``"abort"``; ``None`` otherwise;
+            ``error_code`` names the kind (``structured_output_failed``, ``non_finite_logits``).
     """
 
     request_id: str
@@ -49,6 +50,7 @@ class RequestOutput:
     prompt_logits: torch.Tensor | None = field(default=None, repr=False)
     spec_stats: SpecStats | None = None
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,4 +75,5 @@ class RequestOutput:
             prompt_logits=torch.stack(req.prompt_logits) if req.capture_logits and req.prompt_logits else None,
             spec_stats=req.spec_stats.copy() if req.spec_stats is not None else None,
             error=req.error,
+            error_code=req.error_code,
         )

@@ -75,6 +75,7 @@ class Request(CacheView):
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None  # why the engine ended the request itself (finish_reason "abort")
+    error_code: str | None = None  # that failure's kind, as the API reports it
     stop_reason: str | int | None = None
     text: str = ""
     capture_logits: bool = False

@@ -26,6 +26,7 @@ parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import isfinite as math_isfinite
 
 import torch
 
@@ -138,6 +139,18 @@ def step_tops(logits: torch.Tensor, k: int, math: RowMath) -> list[RowTops]:
     return [RowTops(logprobs[i], list(zip(i_ids, i_vals, strict=True))) for i, (i_ids, i_vals) in enumerate(pairs)]
 
 
+class NonFiniteLogits(ValueError):
+    """A row of logits with NaN (or only infinities): no token can be chosen from it."""
+
+    code = "non_finite_logits"
+
+    def __init__(self, position: int) -> None:
+        super().__init__(
+            f"the model produced non-finite logits (NaN or inf) for position {position}: the request was ended "
+            "there (an overflow in the model's dtype, or non-finite weights); other requests are unaffected"
+        )
+
+
 def sample_row(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -161,8 +174,12 @@ def sample_row(
         top = top_logprobs(logprobs, params.logprobs or 0)
     else:
         logprobs, top = pre.logprobs, pre.top
-        if pre.token is not None and not params.greedy and allowed is None:
-            return Sample(token_id=pre.token, logprob=float(logprobs[pre.token]), top=top[: params.logprobs or 0])
+    # NOTE: a NaN row's top list is empty or NaN (no value reaches a NaN threshold): refuse it by name rather
+    # than emit an arbitrary token or fail on an empty list
+    if not top or not math_isfinite(top[0][1]):
+        raise NonFiniteLogits(position)
+    if pre is not None and pre.token is not None and not params.greedy and allowed is None:
+        return Sample(token_id=pre.token, logprob=float(logprobs[pre.token]), top=top[: params.logprobs or 0])
     if allowed is not None:
         return _masked(row[0], allowed, logprobs, top, params, seed, position, math)
     if params.greedy:

@@ -38,8 +38,13 @@ class RequestTimeoutError(RuntimeError):
     """The request ran past the server's ``--request-timeout``; it was aborted and its blocks freed."""
 
 
-class GrammarFailedError(RuntimeError):
-    """The request's structured-output grammar could not go on mid-generation; the engine ended it."""
+class RequestFailedError(RuntimeError):
+    """The engine ended the request mid-generation (a grammar with no way forward, non-finite logits);
+    ``code`` names the kind, as the API reports it."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.code = code or "request_failed"
 
 
 class RemotePrefillError(RuntimeError):
@@ -340,7 +345,9 @@ class AsyncEngine:
             stream.num_tokens = len(out.token_ids)
         if out.finished:
             self.metrics.observe_finished(out, now - stream.arrival)
-        item: RequestOutput | BaseException = GrammarFailedError(out.error) if out.error is not None else out
+        item: RequestOutput | BaseException = (
+            RequestFailedError(out.error, out.error_code) if out.error is not None else out
+        )
         with contextlib.suppress(RuntimeError):  # the client's loop is gone
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 

@@ -12,10 +12,10 @@ from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
-    GrammarFailedError,
     PrefillTimeoutError,
     QueueFullError,
     RemotePrefillError,
+    RequestFailedError,
     RequestTimeoutError,
 )
 from kvwarden.server.formatting import DeltaTracker
@@ -42,8 +42,8 @@ def _engine_error(exc: BaseException) -> ApiError:
         return ApiError(504, str(exc), None, "prefill_timeout")
     if isinstance(exc, RemotePrefillError):
         return ApiError(502, str(exc), None, "prefill_failed")
-    if isinstance(exc, GrammarFailedError):
-        return ApiError(500, str(exc), None, "structured_output_failed")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), None, exc.code)
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), None, "engine_dead")
     if isinstance(exc, ValueError):

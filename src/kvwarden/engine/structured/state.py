@@ -20,6 +20,8 @@ class GrammarFailure(RuntimeError):
     """A request's grammar cannot go on (no token allowed, or the library's matcher failed): the engine
     ends that request, with this message as its error, and serves the others."""
 
+    code = "structured_output_failed"
+
 
 class GrammarState:
     """The matcher of one output: advanced by every token the request emits, rolled back after draft checks."""
