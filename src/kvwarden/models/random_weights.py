@@ -63,7 +63,7 @@ def random_checkpoint(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dic
     init = Init(seed)
 
     def draw(*shape: int, std: float, offset: float = 0.0) -> torch.Tensor:
-        return (init.normal(*shape, std=std) + offset).to(dtype)
+        return init.normal(*shape, std=std).add_(offset).to(dtype)  # in place: the same sums as `+ offset`
 
     h, vocab = mc.hidden_size, mc.vocab_size
     offset = 0.0 if mc.norm_offset else 1.0  # Qwen3-Next and Qwen3.5 norms are applied as 1 + w
