@@ -151,7 +151,7 @@ fi
 if [ "$MODE" = full ] && want speedrows; then
   stage "speed, rows half: decode by batch (graphs vs eager), TTFT cold and warm, dense and hybrid"
   speed gpu_speed_rows --skip-offline ${SPEED_ROWS_ARGS:-}
-  record "speed: decode b1/b256 canonical tok/s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_rows.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+  record "speed: decode canonical tok/s, by batch" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed_rows.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
 fi
 # serving: the image lacks the server's packages; carry their wheels (fastapi, starlette, uvicorn, h11, click,
 # anyio, sniffio, pydantic, pydantic_core, annotated_types, typing_inspection, typing_extensions,
