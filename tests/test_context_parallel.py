@@ -8,18 +8,14 @@ so the tests build few of them: dense (Llama, Qwen3 in bfloat16) and sparse atte
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
 from openai import OpenAI
 
 from conftest import _made
@@ -30,6 +26,7 @@ from kvwarden.engine.context_parallel.shares import split_entries
 from kvwarden.engine.model_runner import BatchEntry
 from kvwarden.models.bundled import documents
 from server_util import running_server
+from util import probe_arms_agree
 
 BLOCK = 16
 MIN_TOKENS = 32  # small enough that the tests' prompts are split, not only their decode steps synced
@@ -272,13 +269,5 @@ def test_the_probe_catches_the_layer_split_race_and_not_the_wait(llama_small: Pa
             },
             "compare_arms": ["one", "split"],
         }
-        path = tmp_path / f"race-{unsafe}.yaml"
-        path.write_text(yaml.safe_dump(scenario))
-        out = tmp_path / f"run-{unsafe}"
-        cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--no-progress", "--json", "--out", str(out)]
-        cmd += ["--launcher", "kvwarden", "--model", str(llama_small), "--scenario", str(path)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode in (0, 1), done.stdout + done.stderr
-        summary = json.loads(done.stdout.strip().splitlines()[-1])
-        verdicts[unsafe] = all(summary["cross_arm"].values())
+        verdicts[unsafe] = probe_arms_agree(llama_small, scenario, tmp_path / f"race-{unsafe}")
     assert verdicts == {False: True, True: False}, verdicts

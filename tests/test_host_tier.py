@@ -11,19 +11,18 @@ so; with the wait, the same delay changes nothing.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import _made
 from kvwarden import LLM, SamplingParams
 from kvwarden.models.bundled import documents
+from util import probe_arms_agree
 
 WORDS = [w for d in documents() for w in d.text.split()]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
@@ -219,15 +218,8 @@ def test_the_probe_catches_the_race_and_not_the_safe_path(
             },
             "compare_arms": ["cold", "host"],
         }
-        path = tmp_path / f"race-{unsafe}.yaml"
-        path.write_text(yaml.safe_dump(scenario))
-        out = tmp_path / f"run-{unsafe}"
-        cmd = [sys.executable, "-m", "kvwarden.cli", "probe", "--no-progress", "--json", "--out", str(out)]
-        cmd += ["--launcher", "kvwarden", "--model", str(model), "--scenario", str(path)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode in (0, 1), done.stdout + done.stderr
-        summary = json.loads(done.stdout.strip().splitlines()[-1])
-        verdicts[unsafe] = all(summary["cross_arm"].values())  # the host arm's B equals the cold arm's B
+        # the host arm's B equals the cold arm's B
+        verdicts[unsafe] = probe_arms_agree(model, scenario, tmp_path / f"race-{unsafe}")
     assert verdicts == {False: True, True: False}, verdicts
 
 
