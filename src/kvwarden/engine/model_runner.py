@@ -205,8 +205,8 @@ class ModelRunner:
         else:
             batch = self.make_batch(entries, tokens=tokens)
             hidden = self.model.forward(batch, self.kv_caches)
-            if self.parallel is not None:
-                self.parallel.sync(entries)
+            if par is not None:
+                par.sync(entries)
         if want_rows:
             logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(self.device)])
         else:

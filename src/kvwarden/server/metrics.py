@@ -64,28 +64,34 @@ class _EngineCollector(Collector):
         yield hits
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"kvwarden:{name}", doc, value=snap.get(key, 0))
-        per_pos = CounterMetricFamily(
-            "kvwarden:spec_decode_num_accepted_tokens_per_pos",
+        yield _by_index(
+            CounterMetricFamily,
+            "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0 = first)",
-            labels=["position"],
+            "position",
+            snap.get("spec_accepted_per_position", []),
         )
-        for position, count in enumerate(snap.get("spec_accepted_per_position", [])):
-            per_pos.add_metric([str(position)], count)
-        yield per_pos
-        per_rank = GaugeMetricFamily(
-            "kvwarden:kv_cache_bytes_per_rank",
+        yield _by_index(
+            GaugeMetricFamily,
+            "kv_cache_bytes_per_rank",
             "Bytes of paged KV tensors each context-parallel rank holds (rank 0 alone without context parallelism)",
-            labels=["rank"],
+            "rank",
+            snap.get("kv_cache_bytes_per_rank", []),
         )
-        for rank, nbytes in enumerate(snap.get("kv_cache_bytes_per_rank", [])):
-            per_rank.add_metric([str(rank)], nbytes)
-        yield per_rank
         # Info gauges (always 1) carrying the configuration as labels, as vLLM's
         # vllm:cache_config_info does: the probe reads the block size and budget from here.
         for name, (doc, labels) in self.metrics.config_info().items():
             info = GaugeMetricFamily(f"kvwarden:{name}", doc, labels=list(labels))
             info.add_metric(list(labels.values()), 1.0)
             yield info
+
+
+def _by_index(kind: type, name: str, doc: str, label: str, values: list[float]) -> Any:
+    """A ``kvwarden:<name>`` family with one sample per list entry, labelled by its index."""
+    family = kind(f"kvwarden:{name}", doc, labels=[label])
+    for index, value in enumerate(values):
+        family.add_metric([str(index)], value)
+    return family
 
 
 class Metrics:

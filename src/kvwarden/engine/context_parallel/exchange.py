@@ -13,7 +13,7 @@ import torch
 from kvwarden.engine.context_parallel.group import RankGroup, as_bytes
 from kvwarden.engine.model_runner import BatchEntry, ModelRunner
 
-KV = tuple[torch.Tensor, torch.Tensor]
+KV = tuple[torch.Tensor, ...]  # one layer's cache tensors (or several layers' at once)
 
 
 def rows_bytes(kv: KV, slots: torch.Tensor) -> torch.Tensor:
@@ -21,15 +21,19 @@ def rows_bytes(kv: KV, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat([as_bytes(t[slots]) for t in kv], 1)
 
 
+def _width(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
 def row_width(kv: KV) -> int:
-    return sum(t[0].numel() * t.element_size() for t in kv)
+    return sum(_width(t) for t in kv)
 
 
 def write_rows(kv: KV, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """The inverse of :func:`rows_bytes`: byte rows written into the layer's cache at ``slots``."""
     col = 0
     for t in kv:
-        width = t[0].numel() * t.element_size()
+        width = _width(t)
         part = rows[:, col : col + width].contiguous().view(t.dtype).view(rows.shape[0], *t.shape[1:])
         t.index_copy_(0, slots, part)
         col += width
@@ -55,18 +59,14 @@ class KVExchange:
 
 
 def sync_rows(runner: ModelRunner, entries: list[BatchEntry], group: RankGroup) -> None:
-    """After a step rank 0 ran alone: its new K/V rows of every layer, copied into the other ranks' caches."""
+    """After a step rank 0 ran alone: its new K/V rows of every layer, copied into the other ranks' caches
+    (every layer's tensors as one row of bytes per slot, one broadcast)."""
     slots = runner.slot_rows(entries).to(runner.device)
-    layers = [runner.kv_caches[i] for i in range(len(runner.kv_caches))]
+    tensors = tuple(t for i in range(len(runner.kv_caches)) for t in runner.kv_caches[i])
     if group.rank == 0:
-        payload = torch.cat([rows_bytes(kv, slots) for kv in layers], 1)
+        payload = rows_bytes(tensors, slots)
     else:
-        width = sum(row_width(kv) for kv in layers)
-        payload = torch.empty((len(slots), width), dtype=torch.uint8, device=runner.device)
+        payload = torch.empty((len(slots), row_width(tensors)), dtype=torch.uint8, device=runner.device)
     group.broadcast_rows(payload)
     if group.rank != 0:
-        col = 0
-        for kv in layers:
-            width = row_width(kv)
-            write_rows(kv, slots, payload[:, col : col + width])
-            col += width
+        write_rows(tensors, slots, payload)
