@@ -366,24 +366,9 @@ class LLMEngine:
             "spec_num_draft_tokens": spec.num_draft_tokens,
             "spec_num_accepted_tokens": spec.num_accepted_tokens,
             "spec_accepted_per_position": list(spec.accepted_per_position),
-            "context_parallel_size": self.config.parallel.context_parallel_size,
-            "kv_cache_bytes_per_rank": self._kv_bytes_per_rank(),
-            "layer_split_buffer_bytes": self.parallel.layers.peak_buffer_bytes
-            if self.parallel is not None and self.parallel.layers is not None
-            else 0,
-            "context_parallel_split_steps": self.parallel.split_steps if self.parallel is not None else 0,
+            **(self.parallel.stats() if self.parallel is not None else ContextParallel.single_rank_stats(self.runner)),
             **(self.host.stats() if self.host is not None else {}),
         }
-
-    def _kv_bytes_per_rank(self) -> list[int]:
-        """Every rank's paged KV bytes: a full copy each, or under the layer split its owned layers'."""
-        par, kv = self.config.parallel, self.runner.kv_caches
-        if not par.layer_split:
-            return [kv.nbytes] * par.context_parallel_size
-        layers = len(kv)
-        per_layer = max(sum(t.numel() * t.element_size() for t in kv.raw(i)) for i in range(layers))
-        n = par.context_parallel_size
-        return [len(owned_layers(r, n, layers)) * per_layer for r in range(n)]
 
     def close(self) -> None:
         """Stop what the engine started outside this process (context-parallel workers); idempotent."""

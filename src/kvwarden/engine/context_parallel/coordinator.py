@@ -9,13 +9,14 @@ import subprocess
 import sys
 import time
 import weakref
+from typing import Any
 
 import torch
 
 from kvwarden.config import EngineConfig
 from kvwarden.engine.context_parallel.exchange import sync_rows
 from kvwarden.engine.context_parallel.group import COLLECTIVE_TIMEOUT_S, RankGroup, as_bytes
-from kvwarden.engine.context_parallel.layer_split import LayerSplitKV, layer_split_kv
+from kvwarden.engine.context_parallel.layer_split import LayerSplitKV, layer_split_kv, owned_layers
 from kvwarden.engine.context_parallel.messages import FORWARD, STOP, SYNC, encode_setup, encode_step
 from kvwarden.engine.context_parallel.step import forward_share
 from kvwarden.engine.model_runner import BatchEntry, ModelRunner
@@ -137,6 +138,32 @@ class ContextParallel:
         self.broken = f"context-parallel {what} failed: {self._failure() or cause!r}"
         self._finalizer()
         return RuntimeError(self.broken)
+
+    def stats(self) -> dict[str, Any]:
+        """What ``LLMEngine.stats`` reports of the ranks (``/metrics`` exports the per-rank bytes)."""
+        kv, n = self.runner.kv_caches, self.world
+        if self.layers is None:  # every rank a full copy in rank 0's layout
+            per_rank = [kv.nbytes] * n
+        else:  # each rank its owned layers, all of one size
+            layers = len(kv)
+            per_layer = max(sum(t.numel() * t.element_size() for t in kv.raw(i)) for i in range(layers))
+            per_rank = [len(owned_layers(r, n, layers)) * per_layer for r in range(n)]
+        return {
+            "context_parallel_size": n,
+            "kv_cache_bytes_per_rank": per_rank,
+            "layer_split_buffer_bytes": self.layers.peak_buffer_bytes if self.layers is not None else 0,
+            "context_parallel_split_steps": self.split_steps,
+        }
+
+    @staticmethod
+    def single_rank_stats(runner: ModelRunner) -> dict[str, Any]:
+        """The same keys without context parallelism."""
+        return {
+            "context_parallel_size": 1,
+            "kv_cache_bytes_per_rank": [runner.kv_caches.nbytes],
+            "layer_split_buffer_bytes": 0,
+            "context_parallel_split_steps": 0,
+        }
 
     def _post(self, data: bytes) -> None:
         """One key per worker (``step{n}/{rank}``): each worker deletes its own after reading it."""
