@@ -1,8 +1,10 @@
-"""Gated-DeltaNet kernels: kvwarden's batched token-by-token scan against flash-linear-attention's.
+"""Gated-DeltaNet kernels: kvwarden's scans against flash-linear-attention's.
 
 What the field maintains (``fla-core``: ``chunk_gated_delta_rule`` for prefill,
 ``fused_recurrent_gated_delta_rule`` for decode, the kernels vLLM copies)
-against ``kvwarden.layers.kernels.recurrent.gated_delta``, on a GPU, on one
+against kvwarden's two: the canonical chunked scan on the absolute grid
+(``kvwarden.layers.kernels.recurrent_grid``) and the fast path's token-by-token
+loop (``kvwarden.layers.kernels.recurrent``), on a GPU, on one
 layer of a model's shape (default: Qwen3-Next-80B's 16 key / 32 value heads of
 128; ``--preset 0.6b`` for kvwarden's preset), bfloat16 inputs, float32 state:
 
@@ -15,6 +17,7 @@ layer of a model's shape (default: Qwen3-Next-80B's 16 key / 32 value heads of
 * error against a float64 token-by-token reference.
 
     python bench/fla_compare.py                   # needs a GPU and fla-core (scripts/gpu_check.sh carries it)
+    TRITON_INTERPRET=1 python bench/fla_compare.py --preset tiny   # a CPU smoke run: no speed rows, no fla
 
 Ends with one JSON line.
 """
@@ -27,8 +30,13 @@ from typing import Any
 
 import torch
 
-OTHER = "kvwarden, 16 cols / 4 warps"  # the launch shape before flash-linear-attention's was adopted
-SHAPES = {"qwen3-next-80b": (16, 32, 128, 128), "0.6b": (8, 16, 128, 128)}
+GRID = "kvwarden grid (canonical)"  # chunks of 16 on the absolute grid, tensor cores
+LOOP = "kvwarden token loop (fast path)"  # the token-by-token kernel
+CHUNK = 16  # the engine's default numerics.scan_chunk
+# (chunk, dot precision) of the grid's timed rows: the engine's, CUDA cores instead of tensor cores, the largest chunk
+VARIANTS = ((CHUNK, "tf32x3"), (CHUNK, "ieee"), (64, "tf32x3"))
+SHAPES = {"qwen3-next-80b": (16, 32, 128, 128), "0.6b": (8, 16, 128, 128), "tiny": (1, 2, 16, 16)}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -42,7 +50,7 @@ def inputs(t: int, hk: int, hv: int, dk: int, dv: int, gen: torch.Generator) -> 
     ba = torch.randn(t, hk * 2 * rep, generator=gen).to(torch.bfloat16)
     neg_a = -torch.rand(hv, generator=gen) * 4
     dt_bias = torch.randn(hv, generator=gen)
-    return {"hk": hk, **{k: v.cuda() for k, v in {"x": x, "ba": ba, "neg_a": neg_a, "dt_bias": dt_bias}.items()}}
+    return {"hk": hk, **{k: v.to(DEVICE) for k, v in {"x": x, "ba": ba, "neg_a": neg_a, "dt_bias": dt_bias}.items()}}
 
 
 def fla_args(inp: dict[str, Any], hk: int, hv: int, dk: int, dv: int) -> dict[str, torch.Tensor]:
@@ -58,16 +66,39 @@ def fla_args(inp: dict[str, Any], hk: int, hv: int, dk: int, dv: int) -> dict[st
     return {"q": q, "k": k, "v": v, "g": g, "beta": torch.sigmoid(b)}
 
 
-def ours(inp: dict[str, Any], lens: list[int], state: torch.Tensor, **launch: int) -> torch.Tensor:
+def ours(
+    inp: dict[str, Any],
+    lens: list[int],
+    state: torch.Tensor,
+    kernel: str = GRID,
+    starts: list[int] | None = None,
+    ring: torch.Tensor | None = None,
+    **launch: Any,
+) -> torch.Tensor:
+    """kvwarden's scan over requests ``i`` (state slot ``i``) of ``lens[i]`` rows from ``starts[i]``.
+
+    ``kernel``: the canonical chunked scan (``GRID``, with its ring of pending rows: pass the same ``ring``
+    to calls that continue a request) or the token-by-token loop (``LOOP``, the fast path's)."""
     from kvwarden.layers.kernels.recurrent import gated_delta
+    from kvwarden.layers.kernels.recurrent_grid import gated_delta_grid
     from kvwarden.layers.recurrent_plan import RecurrentMeta
 
     seqs, row = [], 0
     for i, n in enumerate(lens):
-        seqs.append((f"r{i}", row, n, 0, i))
+        seqs.append((f"r{i}", row, n, starts[i] if starts else 0, i))
         row += n
-    meta = RecurrentMeta.build(seqs, 1 << 30, True, torch.device("cuda"))
-    return gated_delta(inp["x"], inp["ba"], inp["neg_a"], inp["dt_bias"], state, meta, inp["hk"], **launch)[0]
+    args = (inp["x"], inp["ba"], inp["neg_a"], inp["dt_bias"], state)
+    if kernel == LOOP:
+        meta = RecurrentMeta.build(seqs, 1 << 30, True, torch.device(DEVICE))
+        return gated_delta(*args, meta, inp["hk"], **launch)[0]
+    if ring is None:
+        ring = new_ring(inp, state.shape[0])
+    meta = RecurrentMeta.build(seqs, 1 << 30, True, torch.device(DEVICE), chunk=ring.shape[1] // 2)
+    return gated_delta_grid(*args, ring, meta, inp["hk"], **launch)[0]
+
+
+def new_ring(inp: dict[str, Any], slots: int, chunk: int = CHUNK) -> torch.Tensor:
+    return torch.zeros(slots, 2 * chunk, inp["x"].shape[1] + inp["ba"].shape[1], device=DEVICE)
 
 
 def fla_chunk(args: dict[str, torch.Tensor], state: torch.Tensor, cu: torch.Tensor | None = None):
@@ -96,7 +127,7 @@ def invariance(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bo
     t, cut = 1000, 437
     inp = inputs(t, hk, hv, dk, dv, gen)
     args = fla_args(inp, hk, hv, dk, dv)
-    s0 = torch.zeros(1, hv, dk, dv, device="cuda")
+    s0 = torch.zeros(1, hv, dk, dv, device=DEVICE)
     part = {k: v[:, :cut] for k, v in args.items()}
     rest = {k: v[:, cut:] for k, v in args.items()}
     out: dict[str, dict[str, bool]] = {}
@@ -106,29 +137,67 @@ def invariance(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bo
         o2, _ = fn(rest, s1)
         one, _ = fla_recurrent({k: v[:, cut : cut + 1] for k, v in args.items()}, s1)  # decode after the prefix
         pair = {k: torch.cat([v, v[:, :300]], 1) for k, v in args.items()}
-        cu = torch.tensor([0, t, t + 300], device="cuda", dtype=torch.long)
-        both, _ = fn(pair, torch.zeros(2, hv, dk, dv, device="cuda"), cu)
+        cu = torch.tensor([0, t, t + 300], device=DEVICE, dtype=torch.long)
+        both, _ = fn(pair, torch.zeros(2, hv, dk, dv, device=DEVICE), cu)
         out[name] = {
             "two calls = one": bitwise(torch.cat([o1, o2], 1), whole),
             "decode = prefill": bitwise(one[:, 0], whole[:, cut]),
             "beside a partner = alone": bitwise(both[:, :t], whole),
         }
-    state = torch.zeros(2, hv, dk, dv, device="cuda")
-    whole = ours(inp, [t], state)
-    state = torch.zeros(2, hv, dk, dv, device="cuda")
-    first = ours({**inp, "x": inp["x"][:cut], "ba": inp["ba"][:cut]}, [cut], state)
-    second = ours({**inp, "x": inp["x"][cut:], "ba": inp["ba"][cut:]}, [t - cut], state.clone())
-    state2 = torch.zeros(2, hv, dk, dv, device="cuda")
-    ours({**inp, "x": inp["x"][:cut], "ba": inp["ba"][:cut]}, [cut], state2)
-    one = ours({**inp, "x": inp["x"][cut : cut + 1], "ba": inp["ba"][cut : cut + 1]}, [1], state2)
-    pair = {**inp, "x": torch.cat([inp["x"][:300], inp["x"]]), "ba": torch.cat([inp["ba"][:300], inp["ba"]])}
-    both = ours(pair, [300, t], torch.zeros(2, hv, dk, dv, device="cuda"))
-    out["kvwarden"] = {
-        "two calls = one": bitwise(torch.cat([first, second]), whole),
-        "decode = prefill": bitwise(one[0], whole[cut]),
-        "beside a partner = alone": bitwise(both[300:], whole),
-    }
+    for name in (GRID, LOOP):
+
+        def part(lo: int, hi: int) -> dict[str, Any]:
+            return {**inp, "x": inp["x"][lo:hi], "ba": inp["ba"][lo:hi]}
+
+        state, ring = torch.zeros(2, hv, dk, dv, device=DEVICE), new_ring(inp, 2)
+        whole = ours(inp, [t], state, name, [0], ring)
+        state, ring = torch.zeros(2, hv, dk, dv, device=DEVICE), new_ring(inp, 2)
+        first = ours(part(0, cut), [cut], state, name, [0], ring)
+        s_cut, r_cut = state.clone(), ring.clone()
+        second = ours(part(cut, t), [t - cut], state, name, [cut], ring)
+        one = ours(part(cut, cut + 1), [1], s_cut, name, [cut], r_cut)
+        pair = {**inp, "x": torch.cat([inp["x"][:300], inp["x"]]), "ba": torch.cat([inp["ba"][:300], inp["ba"]])}
+        both = ours(pair, [300, t], torch.zeros(2, hv, dk, dv, device=DEVICE), name, [0, 0], new_ring(inp, 2))
+        out[name] = {
+            "two calls = one": bitwise(torch.cat([first, second]), whole),
+            "decode = prefill": bitwise(one[0], whole[cut]),
+            "beside a partner = alone": bitwise(both[300:], whole),
+        }
     return out
+
+
+def errors(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bool) -> dict[str, float]:
+    """Relative error (Frobenius) of each kernel's outputs over 1,000 tokens against float64 token by token."""
+    from kvwarden.layers import gated_delta as ref
+
+    t = 1000
+    inp = inputs(t, hk, hv, dk, dv, gen)
+    args = fla_args(inp, hk, hv, dk, dv)
+    rep = hv // hk
+    q = torch.nn.functional.normalize(args["q"][0].double(), dim=-1, eps=1e-3) * dk**-0.5
+    k = torch.nn.functional.normalize(args["k"][0].double(), dim=-1, eps=1e-3)
+    q, k = q.repeat_interleave(rep, 1).transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1)
+    v, g, beta = args["v"][0].double().transpose(0, 1), args["g"][0].double().t(), args["beta"][0].double().t()
+    truth = ref.recurrent_step(q, k, v, g, beta, torch.zeros(hv, dk, dv, dtype=torch.float64, device=DEVICE))[0]
+    truth = truth.transpose(0, 1)  # [t, hv, dv]
+
+    def err(out: torch.Tensor) -> float:
+        return ((out.double() - truth).norm() / truth.norm()).item()
+
+    inp32 = {**inp, "x": inp["x"].float(), "ba": inp["ba"].float()}  # float32 outputs: the scan's own error
+    got = {}
+    for prec in ("tf32x3", "ieee", "tf32"):
+        state = torch.zeros(1, hv, dk, dv, device=DEVICE)
+        got[f"{GRID}, {prec}"] = err(ours(inp32, [t], state, GRID, [0], precision=prec))
+    got[LOOP] = err(ours(inp32, [t], torch.zeros(1, hv, dk, dv, device=DEVICE), LOOP))
+    if fla:
+        f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in args.items()}
+        try:
+            got["fla chunk"] = err(fla_chunk(f32, torch.zeros(1, hv, dk, dv, device=DEVICE))[0][0])
+        except Exception as e:  # a row of the table, not the run
+            print(f"fla chunk on float32 inputs failed: {e}")
+            got["fla chunk"] = float("nan")
+    return got
 
 
 def speed(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bool) -> list[dict[str, Any]]:
@@ -136,10 +205,15 @@ def speed(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bool) -
     for t in (1024, 4096, 16384):
         inp = inputs(t, hk, hv, dk, dv, gen)
         args = fla_args(inp, hk, hv, dk, dv)
-        s0 = torch.zeros(1, hv, dk, dv, device="cuda")
-        state = torch.zeros(1, hv, dk, dv, device="cuda")
-        row = {"what": f"prefill {t}", "kvwarden": timed(lambda i=inp, t=t, s=state: ours(i, [t], s))}
-        row[OTHER] = timed(lambda i=inp, t=t, s=state: ours(i, [t], s, cols=16, warps=4))
+        s0 = torch.zeros(1, hv, dk, dv, device=DEVICE)
+        state = torch.zeros(1, hv, dk, dv, device=DEVICE)
+        row: dict[str, Any] = {"what": f"prefill {t}"}
+        for c, prec in VARIANTS:
+            ring = new_ring(inp, 1, c)
+            row[f"{GRID} C={c} {prec}"] = timed(
+                lambda i=inp, t=t, s=state, r=ring, pr=prec: ours(i, [t], s, GRID, [0], r, precision=pr)
+            )
+        row[LOOP] = timed(lambda i=inp, t=t, s=state: ours(i, [t], s, LOOP))
         if fla:
             row["fla chunk"] = timed(lambda a=args, s=s0: fla_chunk(a, s))
             row["fla fused_recurrent"] = timed(lambda a=args, s=s0: fla_recurrent(a, s))
@@ -148,10 +222,20 @@ def speed(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bool) -
         inp = inputs(b, hk, hv, dk, dv, gen)
         args = fla_args(inp, hk, hv, dk, dv)
         args = {k: v.transpose(0, 1).contiguous() for k, v in args.items()}  # [B, 1, ...]
-        s0 = torch.zeros(b, hv, dk, dv, device="cuda")
-        state = torch.zeros(b, hv, dk, dv, device="cuda")
-        row = {"what": f"decode b{b}", "kvwarden": timed(lambda i=inp, b=b, s=state: ours(i, [1] * b, s))}
-        row[OTHER] = timed(lambda i=inp, b=b, s=state: ours(i, [1] * b, s, cols=16, warps=4))
+        s0 = torch.zeros(b, hv, dk, dv, device=DEVICE)
+        state = torch.zeros(b, hv, dk, dv, device=DEVICE)
+        row = {"what": f"decode b{b}"}
+        # the grid's dearest decode step: the last row of a chunk (C - 1 pending rows, then the state update);
+        # its cheapest, the first row of a chunk
+        for c, prec in VARIANTS:
+            ring = new_ring(inp, b, c)
+            for pos in (c - 1, 0):
+                row[f"{GRID} C={c} {prec} @{pos}"] = timed(
+                    lambda i=inp, b=b, s=state, r=ring, p=pos, pr=prec: ours(
+                        i, [1] * b, s, GRID, [p] * b, r, precision=pr
+                    )
+                )
+        row[LOOP] = timed(lambda i=inp, b=b, s=state: ours(i, [1] * b, s, LOOP))
         if fla:
             row["fla fused_recurrent"] = timed(lambda a=args, s=s0: fla_recurrent(a, s))
         rows.append(row)
@@ -178,13 +262,19 @@ def main() -> None:
     print("| kernel | two calls = one | decode = prefill | beside a partner = alone |\n|---|---|---|---|")
     for name, r in inv.items():
         print(f"| {name} | {r['two calls = one']} | {r['decode = prefill']} | {r['beside a partner = alone']} |")
-    rows = speed(hk, hv, dk, dv, gen, have)
+    err = errors(hk, hv, dk, dv, gen, have)
+    result["relative_error"] = err
+    print("\n| kernel (float32 inputs) | relative error vs float64 |\n|---|---|")
+    for name, e in err.items():
+        print(f"| {name} | {e:.2e} |")
+    rows = speed(hk, hv, dk, dv, gen, have) if DEVICE == "cuda" else []
     result["speed_s"] = rows
-    print(f"\n| step | fla chunk | fla fused_recurrent | kvwarden | {OTHER} |\n|---|---|---|---|---|")
+    if rows:  # (none on the CPU)
+        print("\n| step | kernel | median time |\n|---|---|---|")
     for r in rows:
-        keys = ("fla chunk", "fla fused_recurrent", "kvwarden", OTHER)
-        cells = [f"{r[k] * 1e3:.3f} ms" if k in r else "-" for k in keys]
-        print(f"| {r['what']} | " + " | ".join(cells) + " |")
+        for name, t in r.items():
+            if name != "what":
+                print(f"| {r['what']} | {name} | {t * 1e3:.3f} ms |")
     print(json.dumps(result))
 
 

@@ -32,7 +32,7 @@ PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core rate (the data sheet
 GROUPS = (
     ("GEMM", ("_linear_kernel", "gemm", "cutlass", "sm90_xmma", "ampere", "aten::mm", "aten::addmm")),
     ("attention", ("_attention",)),
-    ("recurrent scan", ("_gated_delta", "_mamba2")),
+    ("recurrent scan", ("_gated_delta", "_gdn_", "_ring_write", "_mamba2")),
     ("conv", ("_conv_kernel", "_window_kernel")),
     ("MoE experts", ("_gate_up", "_down_kernel", "_combine")),
     ("MoE routing", ("_route", "_dispatch", "sort", "radix")),

@@ -24,7 +24,14 @@ from kvwarden.bench import workloads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline import run_kvwarden, run_transformers
 
-NUMERICS = {"canonical": "canonical", "fast": "shape-dependent", "canonical-eager": "canonical"}
+# canonical-chunked: the canonical backend with gated DeltaNet on the chunk grid (numerics.gdn_scan) instead of
+# token by token
+NUMERICS = {
+    "canonical": "canonical",
+    "fast": "shape-dependent",
+    "canonical-eager": "canonical",
+    "canonical-chunked": "canonical",
+}
 
 
 def sync(device: str) -> None:
@@ -139,6 +146,8 @@ def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
     from kvwarden import LLM
 
     kw.setdefault("enforce_eager", args.engine == "canonical-eager")
+    if args.engine == "canonical-chunked":
+        kw.setdefault("gdn_scan", "chunked")
     kw.setdefault("block_size", block_size_for(model))
     return LLM(model, device=args.device, dtype=args.dtype, numerics=numerics, **kw)
 

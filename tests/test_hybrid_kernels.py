@@ -15,7 +15,7 @@ import torch
 
 from kvwarden.layers import gated_delta, mamba2
 from kvwarden.layers.conv1d import causal_conv1d
-from kvwarden.layers.kernels import conv, moe, recurrent, rows
+from kvwarden.layers.kernels import conv, moe, recurrent, recurrent_grid, rows
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from test_kernels import DEVICE, DTYPES, close, gen, rand, same
 
@@ -101,6 +101,67 @@ def test_gated_delta_is_the_same_however_the_tokens_arrive(dtype: torch.dtype) -
         for i in mine:  # the state at 4 / 8 / 12 however it was reached
             assert same(c[i], caps[m.captures[i].pos // 4 - 1]), m.captures[i]
     assert same(torch.cat(outs), whole) and same(st[1], state[1])
+
+
+def _states_along(x, ba, neg_a, dt_bias, s0, upto: list[int]) -> list[torch.Tensor]:
+    """The float64 reference state after each of the first ``p`` tokens, for ``p`` in ``upto``."""
+    return [_gdn_reference(x[:p], ba[:p], neg_a, dt_bias, s0)[1] for p in upto]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_grid_is_the_same_however_the_tokens_arrive(dtype: torch.dtype) -> None:
+    """The chunked (tensor-core) scan on the absolute grid: close to the token-by-token float64 reference,
+    and bitwise the same for any split into prefill chunks and decode steps, beside any partners."""
+    g = gen(21)
+    n, chunk = 40, 16  # two full grid chunks and a tail; blocks of 16: boundaries at 16 and 32
+    x, ba, neg_a, dt_bias = _gdn_case(g, n, dtype)
+    s0 = torch.randn(SLOTS, HV, DK, DV, generator=g).to(DEVICE)
+    ring0 = torch.zeros(SLOTS, 2 * chunk, x.shape[-1] + ba.shape[-1], device=DEVICE)
+
+    def call(state, ring, pieces, tokens=None):
+        seqs, row = [], 0
+        for slot, start, n_rows in pieces:
+            seqs.append((f"r{slot}", row, n_rows, start, slot))
+            row += n_rows
+        m = RecurrentMeta.build(seqs, chunk, True, torch.device(DEVICE), tokens)
+        xs = torch.cat([x[slot][st : st + k] for slot, st, k in pieces])
+        bs = torch.cat([ba[slot][st : st + k] for slot, st, k in pieces])
+        out, caps = recurrent_grid.gated_delta_grid(xs, bs, neg_a, dt_bias, state, ring, m, HK)
+        return out, caps, m
+
+    state, ring = s0.clone(), ring0.clone()
+    whole, caps, _ = call(state, ring, [(1, 0, n)])
+    ref_out, _ = _gdn_reference(x[1], ba[1], neg_a, dt_bias, s0[1])
+    at16, at32 = _states_along(x[1], ba[1], neg_a, dt_bias, s0[1], [16, 32])
+    assert close(whole.float(), ref_out, dtype)
+    # the working state is the state at the last grid point (32); the boundaries' states were captured
+    assert close(state[1], at32, torch.float32) and caps.shape[0] == 2
+    assert close(caps[0], at16, torch.float32) and same(caps[1], state[1]) and same(state[0], s0[0])
+    # the ring holds the raw rows since the grid point, at position % 2C
+    assert same(ring[1][0:8, : x.shape[-1]], x[1][32:40].float())
+
+    # pieces: decode steps inside a chunk, chunks ending on and across grid points, partners around them
+    st, rg = s0.clone(), ring0.clone()
+    outs = []
+    for lo, hi in ((0, 5), (5, 6), (6, 17), (17, 18), (18, 33), (33, 34), (34, 40)):
+        out, c, m = call(st, rg, [(3, 0, 2), (1, lo, hi - lo), (0, 0, 1)])
+        outs.append(out[2 : 2 + hi - lo])
+        for i, cap in enumerate(m.captures):
+            if cap.request_id == "r1":
+                assert same(c[i], caps[cap.pos // 16 - 1]), cap
+    assert same(torch.cat(outs), whole) and same(st[1], state[1])
+
+    # a verify-style step keeps "the state after token t" = the state at t's grid point, and returning to
+    # one of them (the state and the position; the ring is addressed by position) continues bit for bit
+    st, rg = s0.clone(), ring0.clone()
+    call(st, rg, [(1, 0, 14)])
+    out, kept, m = call(st, rg, [(1, 14, 4)], tokens={"r1": range(3)})  # tokens 14..17, kept after 14, 15, 16
+    assert [c.pos for c in m.captures] == [15, 16, 17]
+    assert same(kept[0], s0[1]) and same(kept[1], caps[0]) and same(kept[2], caps[0])
+    assert same(out, whole[14:18])
+    st[1] = kept[0]  # drafts 15.. rejected: back to the state after token 14 (position 15)
+    out, _, _ = call(st, rg, [(1, 15, 25)])
+    assert same(out, whole[15:40]) and same(st[1], state[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

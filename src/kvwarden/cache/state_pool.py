@@ -19,24 +19,10 @@ their (discarded) recurrence.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
+from kvwarden.cache.state_spec import RecurrentLayerSpec, ring_shape
 from kvwarden.layers.chunked_scan import ScanState
-
-
-@dataclass(frozen=True)
-class RecurrentLayerSpec:
-    """Shapes of one recurrent layer's state (float32)."""
-
-    conv_shape: tuple[int, int]  # (K - 1, conv channels)
-    ssm_shape: tuple[int, ...]
-    feature_dim: int  # packed per-token features kept for the pending rows
-
-    def snapshot_numel(self) -> int:
-        return self.conv_shape[0] * self.conv_shape[1] + math.prod(self.ssm_shape)
 
 
 class StatePool:
@@ -49,10 +35,15 @@ class StatePool:
         num_snapshots: int,
         chunk: int,
         device: torch.device | str = "cpu",
-        pending: bool = True,
+        pending: str = "chunked",
     ) -> None:
-        """``pending``: keep the canonical CPU scan's pending rows (:mod:`kvwarden.layers.chunked_scan`);
-        the token-by-token kernels and the vendor scan have none."""
+        """``pending``: which pending rows the working states keep. ``"chunked"``: the canonical CPU scan's
+        ``chunk`` packed feature rows (:mod:`kvwarden.layers.chunked_scan`); ``"ring"``: the canonical GPU
+        scan's ring of ``2 * chunk`` raw input rows, for the layers whose spec has ``grid_ring``
+        (:mod:`kvwarden.layers.kernels.recurrent_grid`; other layers get an empty tensor); ``"none"``: the
+        token-by-token kernels and the vendor scan keep none."""
+        if pending not in ("chunked", "ring", "none"):
+            raise ValueError(f"state pool: unknown pending rows {pending!r}")
         self.specs = specs
         self.chunk = chunk
         self.num_working = num_working
@@ -63,7 +54,12 @@ class StatePool:
 
         self.conv = [zeros(num_working + 1, *s.conv_shape) for s in specs]
         self.ssm = [zeros(num_working + 1, *s.ssm_shape) for s in specs]
-        self.pending = [zeros(num_working + 1, chunk, s.feature_dim) for s in specs] if pending else []
+        if pending == "chunked":
+            self.pending = [zeros(num_working + 1, chunk, s.feature_dim) for s in specs]
+        elif pending == "ring":
+            self.pending = [zeros(num_working + 1, *ring_shape(s, chunk)) for s in specs]
+        else:
+            self.pending = []
         self.snap_conv = [zeros(num_snapshots, *s.conv_shape) for s in specs]
         self.snap_ssm = [zeros(num_snapshots, *s.ssm_shape) for s in specs]
         self._free_working = list(range(num_working - 1, -1, -1))

@@ -47,6 +47,8 @@ class _Fixed:
     cap_first: torch.Tensor  # [size]: request i's per-token states start at i * (q - 1)
     cap_count: torch.Tensor  # [size]
     cap_at: torch.Tensor  # [max(size * (q - 1), 1)]: tokens 0 .. q - 2 of each request
+    chunk0: torch.Tensor  # [size]: request i's grid chunks (at most ``max_chunks``) in the scan's scratch
+    max_chunks: int  # the most grid chunks q rows touch, wherever they start
 
 
 class GraphBatch:
@@ -183,6 +185,8 @@ class GraphBatch:
                 seq_row0=fixed.seq_row0[:size],
                 seq_len=self.ints[1, :size],
                 seq_slot=self.ints[3, :size],
+                seq_start=self.ints[0, :size],
+                chunk0=fixed.chunk0,
                 row_seq=fixed.row_seq,
                 cap_first=fixed.cap_first,
                 cap_count=fixed.cap_count,
@@ -190,6 +194,9 @@ class GraphBatch:
                 captures=(),
                 host_seqs=(),
                 per_token=q if q > 1 else 0,
+                chunk=self.states.chunk,
+                num_chunks=size * fixed.max_chunks,
+                max_chunks=fixed.max_chunks,
             )
         return ForwardBatch(
             input_ids=self.longs[0, :rows],
@@ -207,12 +214,16 @@ class GraphBatch:
         if got is None:
             i32 = dict(dtype=torch.int32, device=self.device)
             seqs = torch.arange(size, **i32)
+            chunk = self.states.chunk if self.states is not None else 1
+            max_chunks = -(-(chunk - 1 + q) // chunk)
             got = _Fixed(
                 seq_row0=torch.arange(size + 1, **i32) * q,
                 row_seq=seqs.repeat_interleave(q),
                 cap_first=seqs * (q - 1),
                 cap_count=torch.full((size,), q - 1, **i32),
                 cap_at=torch.arange(q - 1, **i32).repeat(size) if q > 1 else self.cap_at,
+                chunk0=seqs * max_chunks,
+                max_chunks=max_chunks,
             )
             self._fixed[size, q] = got
         return got

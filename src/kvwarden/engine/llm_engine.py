@@ -21,7 +21,7 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.context_parallel import ContextParallel
 from kvwarden.engine.context_parallel.layer_split import owned_layers
-from kvwarden.engine.memory import context_limit, num_cache_blocks
+from kvwarden.engine.memory import check_scan_chunk, context_limit, num_cache_blocks
 from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
@@ -63,11 +63,7 @@ class LLMEngine:
         cache = config.cache
         model = self.loaded.model
         specs = model.recurrent_specs()
-        if specs and self.ops.scan_mode == "chunked" and cache.block_size % config.numerics.scan_chunk:
-            raise ValueError(
-                f"block_size: {cache.block_size} must be a multiple of the recurrent scan chunk "
-                f"({config.numerics.scan_chunk}) so every block boundary is a scan grid point"
-            )
+        check_scan_chunk(specs, self.ops.scan_mode, cache.block_size, config.numerics.scan_chunk)
         mtp_bytes = sum(t.numel() for t in self.loaded.mtp_weights.values()) * model.embed.element_size()
         self.num_blocks = cache.num_blocks or num_cache_blocks(config, self.device, self.model_config, model, mtp_bytes)
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
@@ -82,7 +78,7 @@ class LLMEngine:
                 self.num_blocks,
                 config.numerics.scan_chunk,
                 self.ops.device,
-                pending=self.ops.scan_mode == "chunked",
+                pending={"chunked": "chunked", "grid": "ring"}.get(self.ops.scan_mode, "none"),
             )
             self.kv = HybridCacheManager(self.kv, self.states)
         self.spec = config.speculative

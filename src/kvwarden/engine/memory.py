@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvwarden.cache.state_pool import RecurrentLayerSpec, StatePool
+from kvwarden.cache.state_pool import StatePool
+from kvwarden.cache.state_spec import RecurrentLayerSpec, ring_bytes, scan_scratch_bytes
 from kvwarden.config import EngineConfig
 from kvwarden.engine.model_runner import kv_bytes_per_block
 from kvwarden.models.config import ModelConfig
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     from kvwarden.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
+
+GRID_CHUNKS = (16, 32, 64)  # kernels/recurrent_grid.CHUNKS (Triton is not imported on the CPU)
 
 
 def context_limit(max_model_len: int | None, cfg: ModelConfig) -> int:
@@ -37,6 +40,28 @@ def context_limit(max_model_len: int | None, cfg: ModelConfig) -> int:
         )
     log.info("max_model_len: %d (the model's sliding_window; longer contexts are refused)", window)
     return window
+
+
+def check_scan_chunk(specs: list[RecurrentLayerSpec], scan_mode: str, block_size: int, chunk: int) -> None:
+    """A chunked scan needs every block boundary on its grid (the prefix cache saves states there), and
+    the GPU's chunked scan needs a chunk its tensor-core dots take.
+
+    Raises:
+        ValueError: naming ``block_size`` or ``numerics.scan_chunk``.
+    """
+    if scan_mode == "grid":  # the GPU chunks gated delta only (Mamba2 runs token by token)
+        specs = [s for s in specs if s.grid_ring]
+    if not specs or scan_mode not in ("chunked", "grid"):
+        return
+    if scan_mode == "grid" and chunk not in GRID_CHUNKS:
+        raise ValueError(
+            f"numerics.scan_chunk: {chunk} is not a chunk of the GPU's chunked scan; use one of {GRID_CHUNKS}"
+        )
+    if block_size % chunk:
+        raise ValueError(
+            f"block_size: {block_size} must be a multiple of the recurrent scan chunk "
+            f"({chunk}) so every block boundary is a scan grid point"
+        )
 
 
 def num_cache_blocks(
@@ -88,6 +113,11 @@ def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: lis
     free, total = torch.cuda.mem_get_info()
     sched = config.scheduler
     working = sched.max_num_seqs * StatePool.snapshot_bytes(specs) * 2 if specs else 0
+    chunk = config.numerics.scan_chunk
+    numerics = config.numerics
+    if specs and numerics.mode == "canonical" and numerics.gdn_scan == "chunked":  # its rings, its scratch
+        working += (sched.max_num_seqs + 1) * ring_bytes(specs, chunk)
+        working += scan_scratch_bytes(specs, chunk, sched.max_num_batched_tokens, sched.max_num_seqs)
     width = max(cfg.hidden_size, cfg.intermediate_size, 1)
     # per token of the step: a few hidden-sized float32 buffers plus the widest projection, and the
     # sampled rows' float32 logits; doubled for allocator slack

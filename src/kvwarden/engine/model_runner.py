@@ -266,7 +266,8 @@ class ModelRunner:
             rec = [(s.request_id, s.row_start, s.num_tokens, s.start, slots[s.request_id]) for s in slices]
             # NOTE(invariance): kvwarden captures the state at every boundary its rows cross; the fast path
             # keeps vLLM's align rule (only where a chunk ends on a boundary), the hazard it demonstrates.
-            recurrent = RecurrentMeta.build(rec, self.block_size, self.ops.scan_mode != "vendor", dev, tokens)
+            every = self.ops.scan_mode != "vendor"
+            recurrent = RecurrentMeta.build(rec, self.block_size, every, dev, tokens, self.numerics.scan_chunk)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),

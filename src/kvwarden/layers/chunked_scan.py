@@ -1,6 +1,6 @@
 """Driving a recurrent layer's scan for one request's chunk, and where its state goes.
 
-Three drivers with one signature:
+Two drivers with one signature (the CPU's, request by request):
 
 * :func:`canonical_scan` - kvwarden's. The chunk grid is fixed to absolute
   positions (multiples of ``chunk``). The working state holds the recurrent
@@ -16,10 +16,12 @@ Three drivers with one signature:
   decode), the working state is the state at the current position, and only a
   chunk that ends exactly on a block boundary leaves a state behind (vLLM's
   align mode).
-* :func:`recurrent_scan` - kvwarden's on a GPU: the kernel applies the
-  per-token update token by token (:mod:`kvwarden.layers.kernels.recurrent`),
-  so the working state is simply the state after the last token, and every
-  block boundary inside the call is captured from inside the kernel's loop.
+
+On a GPU the scan runs batched over a step's requests instead
+(:mod:`kvwarden.models.recurrent_batched`): the canonical backend's gated delta
+rule on the same absolute grid with a ring of raw pending rows
+(:mod:`kvwarden.layers.kernels.recurrent_grid`), Mamba2 and the fast path token
+by token (:mod:`kvwarden.layers.kernels.recurrent`).
 """
 
 from __future__ import annotations
@@ -95,22 +97,4 @@ def vendor_scan(
     end = start + new.shape[0]
     if end % block_size == 0:
         capture(end, state.ssm)
-    return out
-
-
-def recurrent_scan(
-    new: torch.Tensor,
-    start: int,
-    state: ScanState,
-    block_size: int,
-    kernel: StepKernel,
-    capture: Capture,
-) -> torch.Tensor:
-    """Outputs for positions ``[start, start + len(new))``; the state at every boundary crossed is captured."""
-    n = new.shape[0]
-    first = (start // block_size + 1) * block_size
-    after = [b - start - 1 for b in range(first, start + n + 1, block_size)]
-    out, captured = kernel(new, state.ssm, after)
-    for index, snapshot in zip(after, captured, strict=True):
-        capture(start + index + 1, snapshot)
     return out

@@ -50,7 +50,8 @@ class CudaOps(Ops):
     def causal_conv(self, *args: Any) -> torch.Tensor:
         return self.k_conv.causal_conv(*args)
 
-    def gated_delta_step(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def gated_delta_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # token by token (the vendor engines' decode kernel; the fast path has no pending rows)
         return self.k_recurrent.gated_delta(*args)
 
     def mamba2_step(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,20 +132,30 @@ class TritonOps(CudaOps):
     """Canonical numerics on CUDA: the Triton kernels of :mod:`kvwarden.layers.kernels`."""
 
     name = "canonical"
-    scan_mode = "recurrent"
 
     def __init__(self, config: NumericsConfig, device: torch.device) -> None:
         super().__init__(config, device)
+        # Gated delta: token by token, or chunks on the absolute grid (numerics.gdn_scan="chunked":
+        # kernels/recurrent_grid.py, its pending rows in the state pool's ring); Mamba2: token by token.
+        self.scan_mode = "grid" if config.gdn_scan == "chunked" else "recurrent"
         # Imported here: the kernels need Triton, which a CPU-only install may lack.
-        from kvwarden.layers.kernels import attention, gemm, pointwise, rotary
+        from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent_grid, rotary
 
         self.k_attention, self.k_gemm, self.k_pointwise, self.k_rotary = attention, gemm, pointwise, rotary
+        self.k_grid = recurrent_grid
         self._named: dict[Callable[..., Any], str] = {
             torch.sigmoid: "sigmoid",
             torch.nn.functional.silu: "silu",
             torch.nn.functional.softplus: "softplus",
             torch.exp: "exp",
         }
+
+    def gated_delta_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scan_mode == "recurrent":
+            return self.k_recurrent.gated_delta(*args)
+        if ring is None:
+            raise ValueError("the chunked GPU scan needs the state pool's pending rows (pending='ring')")
+        return self.k_grid.gated_delta_grid(*args[:5], ring, *args[5:])
 
     # ------------------------------------------------------------- element-wise and rows
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,9 +35,12 @@ class RecurrentMeta:
     """Per-step addressing of the batched recurrent kernels.
 
     Attributes:
-        seq_row0, seq_len, seq_slot: ``[seqs]`` int32: first row in the batch,
-            number of rows (0 for a decode graph's padding rows) and working-state
-            slot of each request.
+        seq_row0, seq_len, seq_slot, seq_start: ``[seqs]`` int32: first row in the batch,
+            number of rows (0 for a decode graph's padding rows), working-state
+            slot and absolute position of the first row of each request (the
+            chunked scan's grid is fixed to absolute positions).
+        chunk0: ``[seqs]`` int32: the chunked scan's first scratch row for the request's grid chunks
+            (it touches ``cdiv(start % chunk + rows, chunk)`` of them).
         row_seq: ``[rows]`` int32, the request of each row.
         cap_first, cap_count: ``[seqs]`` int32: a request's first entry in
             ``cap_at`` and how many it has.
@@ -49,11 +52,15 @@ class RecurrentMeta:
         per_token: ``q`` in a verify graph, where every request has ``q`` rows and the kernels keep
             the state after each of its first ``q - 1`` tokens (``cap_at`` then lists them), so the
             step's caller can return a request to the last accepted token on the device; else 0.
+        chunk, num_chunks, max_chunks: the chunked scan's grid chunk, its scratch rows (every request's
+            grid chunks) and the most grid chunks one request touches (host integers: shapes).
     """
 
     seq_row0: torch.Tensor
     seq_len: torch.Tensor
     seq_slot: torch.Tensor
+    seq_start: torch.Tensor
+    chunk0: torch.Tensor
     row_seq: torch.Tensor
     cap_first: torch.Tensor
     cap_count: torch.Tensor
@@ -61,6 +68,9 @@ class RecurrentMeta:
     captures: tuple[StateCapture, ...]
     host_seqs: tuple[tuple[str, int, int, int, int], ...]
     per_token: int = 0
+    chunk: int = 16
+    num_chunks: int = 0
+    max_chunks: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -79,6 +89,7 @@ class RecurrentMeta:
         every_boundary: bool,
         device: torch.device,
         tokens: dict[str, range] | None = None,
+        chunk: int = 16,
     ) -> RecurrentMeta:
         """Index tensors for one step, copied to the device in one transfer.
 
@@ -88,13 +99,19 @@ class RecurrentMeta:
                 False keeps only a boundary the chunk ends on (vLLM's align mode, the fast path's rule).
             tokens: per request carrying drafts, the row indices after which its state is kept for
                 the return to the last accepted token (its last real token and every draft but the last).
+            chunk: the chunked scan's grid chunk (``numerics.scan_chunk``).
         """
-        row0, lens, slots, row_seq, first, count, at = [], [], [], [], [], [], []
+        row0, lens, slots, starts, chunk0, row_seq, first, count, at = [], [], [], [], [], [], [], [], []
+        num_chunks = max_chunks = 0
         captures: list[StateCapture] = []
         for s, (rid, r0, n, start, slot) in enumerate(seqs):
             row0.append(r0)
             lens.append(n)
             slots.append(slot)
+            starts.append(start)
+            touched = -(-(start % chunk + n) // chunk) if n else 0
+            chunk0.append(num_chunks)
+            num_chunks, max_chunks = num_chunks + touched, max(max_chunks, touched)
             row_seq.extend([s] * n)
             ends = range((start // block_size + 1) * block_size, start + n + 1, block_size)
             if not every_boundary:
@@ -107,7 +124,14 @@ class RecurrentMeta:
                 at.append(index)
             count.append(len(at) - first[-1])
         nseq = len(seqs)
-        flat = torch.tensor(row0 + lens + slots + row_seq + first + count + (at or [-1]), dtype=torch.int32)
-        flat = flat.to(device, non_blocking=True)
-        parts = flat.split([nseq] * 3 + [len(row_seq)] + [nseq] * 2 + [max(len(at), 1)])  # the fields' order
-        return RecurrentMeta(*parts, captures=tuple(captures), host_seqs=tuple(seqs))
+        flat = row0 + lens + slots + starts + chunk0 + row_seq + first + count + (at or [-1])
+        flat_t = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+        parts = flat_t.split([nseq] * 5 + [len(row_seq)] + [nseq] * 2 + [max(len(at), 1)])  # the fields' order
+        return RecurrentMeta(
+            *parts,
+            captures=tuple(captures),
+            host_seqs=tuple(seqs),
+            chunk=chunk,
+            num_chunks=num_chunks,
+            max_chunks=max_chunks,
+        )

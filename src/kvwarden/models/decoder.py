@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwarden.cache.state_pool import RecurrentLayerSpec
+from kvwarden.cache.state_spec import RecurrentLayerSpec
 from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 from kvwarden.models.attention_block import AttentionBlock

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvwarden.cache.state_pool import RecurrentLayerSpec
+from kvwarden.cache.state_spec import RecurrentLayerSpec
 from kvwarden.layers import gated_delta, mamba2
-from kvwarden.layers.chunked_scan import canonical_scan, recurrent_scan, vendor_scan
+from kvwarden.layers.chunked_scan import canonical_scan, vendor_scan
 from kvwarden.layers.conv1d import causal_conv1d, shape_dependent_conv1d
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
@@ -66,13 +66,10 @@ class _RecurrentBlock:
                 states.stage(seq.request_id, pos, layer, window[at : at + k1], ssm)
 
             feats = features(conv_out, seq.row_start)
-            mode = self.ops.scan_mode
-            if mode == "chunked":
+            if self.ops.scan_mode == "chunked":
                 out = canonical_scan(
                     feats, seq.start, scan_state, batch.scan_chunk, batch.block_size, self._chunk_kernel, capture
                 )
-            elif mode == "recurrent":
-                out = recurrent_scan(feats, seq.start, scan_state, batch.block_size, self._step_kernel, capture)
             else:
                 out = vendor_scan(feats, seq.start, scan_state, batch.block_size, self._vendor_kernel, capture)
             conv_state.copy_(new_conv)
@@ -88,11 +85,6 @@ class _RecurrentBlock:
         raise NotImplementedError
 
     def _vendor_kernel(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _step_kernel(
-        self, rows: torch.Tensor, state: torch.Tensor, capture_after: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -125,7 +117,8 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         return RecurrentLayerSpec(
             conv_shape=(g.conv_kernel - 1, g.conv_dim),
             ssm_shape=(g.num_value_heads, g.key_head_dim, g.value_head_dim),
-            feature_dim=g.conv_dim + 2 * g.num_value_heads,
+            feature_dim=g.conv_dim + 2 * g.num_value_heads,  # also the GPU ring's raw row: q | k | v, b | a
+            grid_ring=True,
         )
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
@@ -165,7 +158,10 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         windows = boundary_windows(qkvz, self.conv_cols, states.conv[layer], meta) if meta.captures else []
         inputs = window_rows(qkvz, self.conv_cols, states.conv[layer], meta) if meta.per_token else None
         mixed = ops.causal_conv(qkvz, self.conv_cols, states.conv[layer], self.conv_w, self.conv_b, meta)
-        core, caps = ops.gated_delta_step(mixed, ba, self.neg_a, self.dt_bias, states.ssm[layer], meta, g.num_key_heads)
+        ring = states.pending[layer] if states.pending else None  # the canonical GPU scan's pending rows
+        core, caps = ops.gated_delta_step(
+            mixed, ba, self.neg_a, self.dt_bias, states.ssm[layer], meta, g.num_key_heads, ring=ring
+        )
         stage_captures(states, meta, layer, windows, caps)
         keep_token_states(batch, meta, inputs, caps)
         batch.trace(f"{self.name}.scan", core.view(rows, -1))
@@ -202,15 +198,6 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         q, k, v, decay, beta = (x.contiguous() for x in self._unpack(rows))
         out, end = gated_delta.shape_dependent_scan(q, k, v, decay, beta, state)
         return out.transpose(0, 1).reshape(rows.shape[0], -1), end
-
-    def _step_kernel(
-        self, rows: torch.Tensor, state: torch.Tensor, capture_after: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, decay, beta = self._unpack(rows)  # [Hv, n, d] -> the kernel's [n, Hv, d]
-        out, caps = self.ops.gated_delta_scan(  # type: ignore[attr-defined]
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), decay.t(), beta.t(), state, capture_after
-        )
-        return out.reshape(rows.shape[0], -1), caps
 
 
 class Mamba2Block(_RecurrentBlock):
@@ -301,15 +288,6 @@ class Mamba2Block(_RecurrentBlock):
         x, dt, b, c = self._unpack(rows)
         y, end = mamba2.shape_dependent_scan(x, dt, self.a, b, c, self.d, state)
         return y.transpose(0, 1).reshape(rows.shape[0], -1), end
-
-    def _step_kernel(
-        self, rows: torch.Tensor, state: torch.Tensor, capture_after: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, dt, b, c = self._unpack(rows)  # [H, n, ...] -> the kernel's [n, H, ...]
-        y, caps = self.ops.mamba2_scan(  # type: ignore[attr-defined]
-            x.transpose(0, 1), dt.t(), self.a, b.transpose(0, 1), c.transpose(0, 1), self.d, state, capture_after
-        )
-        return y.reshape(rows.shape[0], -1), caps
 
 
 def _fuse_qwen3_5(get: WeightGetter, prefix: str, g: GatedDeltaNetConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,13 +23,12 @@ independent in both updates (gated delta: column ``j`` of ``S`` reads only
 state by them; reductions run over one head's key / state dimension as one block
 of fixed shape. Which other requests share the launch changes only the grid.
 
-Why not a chunked (tensor-core) prefill: a chunk's output uses other arithmetic
-than the token-by-token update, so decode would have to recompute the chunk's
-pending rows with the same chunk kernel on an absolute grid (the CPU path's
-design, :mod:`kvwarden.layers.chunked_scan`). flash-linear-attention's
-``chunk_gated_delta_rule`` additionally starts its grid at each call's first
-token (varlen included), so a prompt cut into other chunks, or a prefix restored
-from the cache, changes the bits (``bench/fla_compare.py`` measures both). Its
+Who runs these: Mamba2 on both GPU backends, and the gated delta rule on the
+fast path and, by default, on the canonical backend. ``numerics.gdn_scan=
+"chunked"`` swaps the canonical gated delta rule for the chunked scan of
+:mod:`kvwarden.layers.kernels.recurrent_grid` (faster prefill, dearer decode): a
+chunk's output there uses other arithmetic than this token-by-token update, so
+an engine runs one or the other, never both. flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` is this loop; it has no state slots and no
 boundary captures, and specialises its length argument.
 """
