@@ -24,7 +24,7 @@ from kvwarden.bench import workloads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline import run_kvwarden, run_transformers
 
-# canonical-chunked: the canonical backend with gated DeltaNet on the chunk grid (numerics.gdn_scan) instead of
+# canonical-chunked: the canonical backend with gated DeltaNet on the chunk grid (numerics.recurrent_scan) instead of
 # token by token
 NUMERICS = {
     "canonical": "canonical",
@@ -147,7 +147,7 @@ def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
 
     kw.setdefault("enforce_eager", args.engine == "canonical-eager")
     if args.engine == "canonical-chunked":
-        kw.setdefault("gdn_scan", "chunked")
+        kw.setdefault("recurrent_scan", "chunked")
     kw.setdefault("block_size", block_size_for(model))
     return LLM(model, device=args.device, dtype=args.dtype, numerics=numerics, **kw)
 

@@ -15,7 +15,7 @@ import torch
 
 from kvwarden.layers import gated_delta, mamba2
 from kvwarden.layers.conv1d import causal_conv1d
-from kvwarden.layers.kernels import conv, moe, recurrent, recurrent_grid, rows
+from kvwarden.layers.kernels import conv, moe, recurrent, recurrent_grid, rows, ssd_grid
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from test_kernels import DEVICE, DTYPES, close, gen, rand, same
 
@@ -197,6 +197,68 @@ def test_mamba2_is_the_same_however_the_tokens_arrive(dtype: torch.dtype) -> Non
     outs = [scan([(4, 0, 3), (2, lo, hi - lo)], st)[0][3:] for lo, hi in ((0, 1), (1, 4), (4, 9), (9, 10), (10, 11))]
     assert same(torch.cat(outs), y) and same(st[2], state[2])
     assert caps.shape[0] == 2  # boundaries 4 and 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mamba2_grid_is_the_same_however_the_tokens_arrive(dtype: torch.dtype) -> None:
+    """Mamba2's chunked SSD scan on the absolute grid: close to the token-by-token float64 reference, bitwise
+    the same for any split, beside partners, and a verify step's kept states are their grid points' states."""
+    g = gen(22)
+    n, h, grp, p, ns, chunk = 40, 4, 2, 20, 16, 16
+    x = rand(g, SLOTS, n, h * p + 2 * grp * ns, dtype=dtype)
+    dt = rand(g, SLOTS, n, h, dtype=dtype)
+    dt_bias = torch.randn(h, generator=g).to(DEVICE)
+    a = (-torch.rand(h, generator=g)).to(DEVICE)
+    d = torch.randn(h, generator=g).to(DEVICE)
+    s0 = torch.randn(SLOTS, h, p, ns, generator=g).to(DEVICE)
+    ring0 = torch.zeros(SLOTS, 2 * chunk, x.shape[-1] + h, device=DEVICE)
+    limit = (0.0, float("inf"))
+
+    def call(state, ring, pieces, tokens=None):
+        seqs, row = [], 0
+        for slot, start, k in pieces:
+            seqs.append((f"r{slot}", row, k, start, slot))
+            row += k
+        m = RecurrentMeta.build(seqs, chunk, True, torch.device(DEVICE), tokens)
+        xs = torch.cat([x[slot][st : st + k] for slot, st, k in pieces])
+        ts = torch.cat([dt[slot][st : st + k] for slot, st, k in pieces])
+        y, caps = ssd_grid.mamba2_grid(xs, ts, dt_bias, a, d, state, ring, m, grp, limit)
+        return y, caps, m
+
+    def reference(upto: int):
+        xr = x[2][:upto].double().cpu()
+        step = torch.nn.functional.softplus(dt[2][:upto].double().cpu() + dt_bias.double().cpu())
+        rep = h // grp
+        bb = xr[:, h * p : h * p + grp * ns].view(upto, grp, ns).repeat_interleave(rep, 1)
+        cc = xr[:, h * p + grp * ns :].view(upto, grp, ns).repeat_interleave(rep, 1)
+        y, st = mamba2.recurrent_step(
+            xr[:, : h * p].view(upto, h, p).transpose(0, 1), step.t(), a.double().cpu(), bb.transpose(0, 1),
+            cc.transpose(0, 1), d.double().cpu(), s0[2].double().cpu(),
+        )  # fmt: skip
+        return y.transpose(0, 1), st
+
+    state, ring = s0.clone(), ring0.clone()
+    y, caps, _ = call(state, ring, [(2, 0, n)])
+    ref_y, _ = reference(n)
+    assert close(y, ref_y, torch.float32) and caps.shape[0] == 2  # boundaries 16 and 32
+    assert close(state[2], reference(32)[1], torch.float32) and close(caps[0], reference(16)[1], torch.float32)
+    assert same(caps[1], state[2]) and same(state[0], s0[0])
+    st, rg = s0.clone(), ring0.clone()
+    outs = []
+    for lo, hi in ((0, 1), (1, 15), (15, 16), (16, 33), (33, 34), (34, 40)):
+        out, c, m = call(st, rg, [(4, 0, 3), (2, lo, hi - lo)])
+        outs.append(out[3:])
+        for i, cap in enumerate(m.captures):
+            if cap.request_id == "r2":
+                assert same(c[i], caps[cap.pos // 16 - 1]), cap
+    assert same(torch.cat(outs), y) and same(st[2], state[2])
+    st, rg = s0.clone(), ring0.clone()
+    call(st, rg, [(2, 0, 14)])
+    out, kept, m = call(st, rg, [(2, 14, 4)], tokens={"r2": range(3)})  # kept after tokens 14, 15, 16
+    assert same(kept[0], s0[2]) and same(kept[1], caps[0]) and same(kept[2], caps[0]) and same(out, y[14:18])
+    st[2] = kept[1]  # drafts 16.. rejected: back to the state after token 15 (position 16, a grid point)
+    out, _, _ = call(st, rg, [(2, 16, 24)])
+    assert same(out, y[16:40]) and same(st[2], state[2])
 
 
 def test_the_fast_path_captures_only_where_a_chunk_ends_on_a_boundary() -> None:

@@ -203,28 +203,32 @@ def test_verify_graphs_equal_speculation_off(qwen3_next_tiny: Path, models_root:
             assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
 
 
-def test_chunked_gated_delta_through_graphs_speculation_and_the_prefix_cache(qwen3_next_tiny: Path) -> None:
-    """``gdn_scan="chunked"``: gated DeltaNet on the 16-token absolute grid (blocks of 16, the chunk divides them).
-    MTP verify steps in graphs (the state after a kept token is its grid point's state, the pending rows are
-    addressed by position), decode graphs recomputing their grid chunk, and a follow-up restoring the state at
-    16 from the prefix cache: every output equals the same engine's eager, unspeculated, uncached run."""
+@pytest.mark.parametrize("family", ["qwen3_next", "granite_hybrid"])
+def test_chunked_scans_through_graphs_speculation_and_the_prefix_cache(family: str, models_root: Path) -> None:
+    """``recurrent_scan="chunked"``: gated DeltaNet and Mamba2 on the 16-token absolute grid (blocks of 16, the
+    chunk divides them). Decode graphs recompute their grid chunk from the ring of pending rows; Qwen3-Next's MTP
+    verify steps run in graphs (the state after a kept token is its grid point's state, the pending rows are
+    addressed by position); a follow-up restores the state at 16 from the prefix cache. Every output equals the
+    same engine's eager, unspeculated, uncached run."""
+    model = _made(models_root, family, "tiny")
     rng = random.Random(9)
     prompts = [random_tokens(rng, n, 1000) for n in (11, 17)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=7, logprobs=3, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=4, max_tokens=7, logprobs=3, ignore_eos=True),
     ]
-    make = partial(_make(qwen3_next_tiny, DTYPES[-1]), block_size=16, max_num_seqs=4, gdn_scan="chunked")
+    make = partial(_make(model, DTYPES[-1]), block_size=16, max_num_seqs=4, recurrent_scan="chunked")
     reference = make(cuda_graphs="off", enable_prefix_caching=False)
     assert reference.engine.states is not None and reference.engine.states.pending[0].shape[1] == 32  # 2 x 16
     expected = [(o.token_ids, o.logprobs) for o in reference.generate(prompts, params)]
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
-    llm = make(cuda_graphs="auto" if GPU else "emulate", speculative_config=spec)
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}} if family == "qwen3_next" else {}
+    llm = make(cuda_graphs="auto" if GPU else "emulate", **spec)
     got = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert got == expected
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.verify_replays > 0
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and (graphs.verify_replays if spec else graphs.replays) > 0
     llm.engine.check_integrity()
-    follow = prompts[0] + got[0][0] + [7, 8]  # 11 + 7 + 2 tokens: the state at 16 was staged while verifying
+    follow = prompts[0] + got[0][0] + [7, 8]  # 11 + 7 + 2 tokens: the state at 16 was staged while decoding
     warm = llm.generate([follow], params[0])[0]
     assert warm.num_cached_tokens == 16
     cold = reference.generate([follow], params[0])[0]

@@ -55,11 +55,12 @@ class NumericsConfig:
             ``"triton"`` - the Triton kernels on the CPU too, which needs Triton's
             interpreter (``TRITON_INTERPRET=1``): how CI runs the GPU kernels
             through the whole engine without a GPU.
-        gdn_scan: the canonical GPU backend's gated delta rule (Qwen3-Next). ``"token"`` (default) - token by
-            token (the cheaper decode step); ``"chunked"`` - chunks of ``scan_chunk`` on the absolute position
-            grid on tensor cores (faster prefill: long prompts; a decode step recomputes its chunk). Both are
-            invariant; their bits differ, so instances that share states (disaggregated serving) use the same
-            one. Ignored on the CPU (always chunked) and by the fast path (always token by token).
+        recurrent_scan: the canonical GPU backend's recurrent scans (Qwen3-Next's gated delta rule, Mamba2's
+            SSD). ``"token"`` (default) - token by token (the cheaper decode step); ``"chunked"`` - chunks of
+            ``scan_chunk`` on the absolute position grid on tensor cores (faster prefill: long prompts; a
+            decode step recomputes its chunk; the block size a multiple of the chunk). Both are invariant;
+            their bits differ, so instances that share states (disaggregated serving) use the same one.
+            Ignored on the CPU (always chunked) and by the fast path (always token by token).
         unsafe_topk: TESTING ONLY. Sparse attention's key selection (GLM-5's indexer) on bfloat16 scores
             with ties kept in the order parallel partitions happen to finish, as the kernel behind the
             seed incident hands out slots: the selection, and the answer, then depend on the step's
@@ -72,7 +73,7 @@ class NumericsConfig:
     pointwise_chunk: int = 16384
     scan_chunk: int = 16
     kernels: str = "auto"
-    gdn_scan: str = "token"
+    recurrent_scan: str = "token"
     unsafe_topk: bool = False
 
     def __post_init__(self) -> None:
@@ -88,8 +89,8 @@ class NumericsConfig:
             raise ValueError("numerics.pointwise_chunk must be <= 32768 (torch's parallel grain)")
         if self.kernels not in ("auto", "triton"):
             raise ValueError(f"numerics.kernels: unknown {self.kernels!r}; expected 'auto' or 'triton'")
-        if self.gdn_scan not in ("chunked", "token"):
-            raise ValueError(f"numerics.gdn_scan: unknown {self.gdn_scan!r}; expected 'chunked' or 'token'")
+        if self.recurrent_scan not in ("chunked", "token"):
+            raise ValueError(f"numerics.recurrent_scan: unknown {self.recurrent_scan!r}; expected 'chunked' or 'token'")
 
 
 @dataclass(frozen=True)

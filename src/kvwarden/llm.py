@@ -105,7 +105,7 @@ class LLM:
         unsafe_host_load: bool = False,
         unsafe_indexer_load: bool = False,
         unsafe_topk: bool = False,
-        gdn_scan: str = "token",
+        recurrent_scan: str = "token",
         enforce_eager: bool = False,
         cuda_graphs: str = "auto",
         context_parallel_size: int = 1,
@@ -135,7 +135,12 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 chunking=chunking,  # type: ignore[arg-type]
             ),
-            numerics=NumericsConfig(mode=numerics, kernels=kernels, gdn_scan=gdn_scan, unsafe_topk=unsafe_topk),  # type: ignore[arg-type]
+            numerics=NumericsConfig(
+                mode=numerics,  # type: ignore[arg-type]
+                kernels=kernels,
+                recurrent_scan=recurrent_scan,
+                unsafe_topk=unsafe_topk,
+            ),
             speculative=SpeculativeConfig.from_dict(speculative_config),
             cuda_graphs="off" if enforce_eager else cuda_graphs,
             parallel=ParallelConfig(

@@ -18,7 +18,8 @@ class RecurrentLayerSpec:
     conv_shape: tuple[int, int]  # (K - 1, conv channels)
     ssm_shape: tuple[int, ...]
     feature_dim: int  # packed per-token features kept for the pending rows
-    grid_ring: bool = False  # the GPU scan is chunked too (gated delta): its raw rows, ``feature_dim`` wide
+    grid_ring: bool = False  # the GPU's chunked scan keeps the raw rows since the grid point, ``feature_dim`` wide
+    scan_scratch: bool = False  # ... and a per-chunk scratch between its two phases (gated delta)
 
     def snapshot_numel(self) -> int:
         return self.conv_shape[0] * self.conv_shape[1] + math.prod(self.ssm_shape)
@@ -34,7 +35,7 @@ def scan_scratch_bytes(specs: list[RecurrentLayerSpec], chunk: int, rows: int, s
     (``W``, ``q e^g``, ``k e^{g_last - g}``, ``U`` and ``P`` per grid chunk and head; float32)."""
     worst = 0
     for s in specs:
-        if s.grid_ring:
+        if s.scan_scratch:
             heads, dk, dv = s.ssm_shape
             worst = max(worst, 4 * heads * (3 * chunk * dk + chunk * dv + chunk * chunk + 1))
     return worst * (rows // chunk + 2 * seqs)  # each request's chunks: its rows' plus at most two partial

@@ -52,12 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         "arrival order (re-creates a known incident: answers depend on the batch)",
     )
     p.add_argument(
-        "--gdn-scan",
+        "--recurrent-scan",
         choices=("chunked", "token"),
         default="token",
-        help="canonical numerics on a GPU, gated DeltaNet (Qwen3-Next): token - token by token (default, cheaper "
-        "decode); chunked - chunks of 16 on the absolute position grid on tensor cores (faster prefill of long "
-        "prompts). Both invariant",
+        help="canonical numerics on a GPU, recurrent layers (gated DeltaNet, Mamba2): token - token by token "
+        "(default, cheaper decode); chunked - chunks of 16 on the absolute position grid on tensor cores (faster "
+        "prefill of long prompts; --block-size a multiple of 16). Both invariant",
     )
     p.add_argument(
         "--numerics",
@@ -152,7 +152,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "unsafe_host_load": args.unsafe_host_load,
         "unsafe_indexer_load": args.unsafe_indexer_load,
         "unsafe_topk": args.unsafe_topk,
-        "gdn_scan": args.gdn_scan,
+        "recurrent_scan": args.recurrent_scan,
         "enforce_eager": args.enforce_eager,
         "context_parallel_size": args.context_parallel_size,
         "context_parallel_min_tokens": args.context_parallel_min_tokens,

@@ -49,8 +49,6 @@ def check_scan_chunk(specs: list[RecurrentLayerSpec], scan_mode: str, block_size
     Raises:
         ValueError: naming ``block_size`` or ``numerics.scan_chunk``.
     """
-    if scan_mode == "grid":  # the GPU chunks gated delta only (Mamba2 runs token by token)
-        specs = [s for s in specs if s.grid_ring]
     if not specs or scan_mode not in ("chunked", "grid"):
         return
     if scan_mode == "grid" and chunk not in GRID_CHUNKS:
@@ -115,7 +113,7 @@ def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: lis
     working = sched.max_num_seqs * StatePool.snapshot_bytes(specs) * 2 if specs else 0
     chunk = config.numerics.scan_chunk
     numerics = config.numerics
-    if specs and numerics.mode == "canonical" and numerics.gdn_scan == "chunked":  # its rings, its scratch
+    if specs and numerics.mode == "canonical" and numerics.recurrent_scan == "chunked":  # its rings, its scratch
         working += (sched.max_num_seqs + 1) * ring_bytes(specs, chunk)
         working += scan_scratch_bytes(specs, chunk, sched.max_num_batched_tokens, sched.max_num_seqs)
     width = max(cfg.hidden_size, cfg.intermediate_size, 1)

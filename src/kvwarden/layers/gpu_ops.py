@@ -54,7 +54,7 @@ class CudaOps(Ops):
         # token by token (the vendor engines' decode kernel; the fast path has no pending rows)
         return self.k_recurrent.gated_delta(*args)
 
-    def mamba2_step(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def mamba2_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_recurrent.mamba2(*args)
 
     def rms_norm_gated(self, *args: Any) -> torch.Tensor:
@@ -135,14 +135,15 @@ class TritonOps(CudaOps):
 
     def __init__(self, config: NumericsConfig, device: torch.device) -> None:
         super().__init__(config, device)
-        # Gated delta: token by token, or chunks on the absolute grid (numerics.gdn_scan="chunked":
-        # kernels/recurrent_grid.py, its pending rows in the state pool's ring); Mamba2: token by token.
-        self.scan_mode = "grid" if config.gdn_scan == "chunked" else "recurrent"
+        # Recurrent scans token by token, or chunks on the absolute grid (numerics.recurrent_scan="chunked":
+        # kernels/recurrent_grid.py for gated delta, kernels/ssd_grid.py for Mamba2, their pending rows in the
+        # state pool's rings).
+        self.scan_mode = "grid" if config.recurrent_scan == "chunked" else "recurrent"
         # Imported here: the kernels need Triton, which a CPU-only install may lack.
-        from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent_grid, rotary
+        from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent_grid, rotary, ssd_grid
 
         self.k_attention, self.k_gemm, self.k_pointwise, self.k_rotary = attention, gemm, pointwise, rotary
-        self.k_grid = recurrent_grid
+        self.k_grid, self.k_ssd = recurrent_grid, ssd_grid
         self._named: dict[Callable[..., Any], str] = {
             torch.sigmoid: "sigmoid",
             torch.nn.functional.silu: "silu",
@@ -156,6 +157,13 @@ class TritonOps(CudaOps):
         if ring is None:
             raise ValueError("the chunked GPU scan needs the state pool's pending rows (pending='ring')")
         return self.k_grid.gated_delta_grid(*args[:5], ring, *args[5:])
+
+    def mamba2_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scan_mode == "recurrent":
+            return self.k_recurrent.mamba2(*args)
+        if ring is None:
+            raise ValueError("the chunked GPU scan needs the state pool's pending rows (pending='ring')")
+        return self.k_ssd.mamba2_grid(*args[:6], ring, *args[6:])
 
     # ------------------------------------------------------------- element-wise and rows
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -119,6 +119,7 @@ class GatedDeltaNetBlock(_RecurrentBlock):
             ssm_shape=(g.num_value_heads, g.key_head_dim, g.value_head_dim),
             feature_dim=g.conv_dim + 2 * g.num_value_heads,  # also the GPU ring's raw row: q | k | v, b | a
             grid_ring=True,
+            scan_scratch=True,
         )
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
@@ -222,7 +223,8 @@ class Mamba2Block(_RecurrentBlock):
         return RecurrentLayerSpec(
             conv_shape=(m.conv_kernel - 1, m.conv_dim),
             ssm_shape=(m.num_heads, m.head_dim, m.state_size),
-            feature_dim=m.conv_dim + m.num_heads,
+            feature_dim=m.conv_dim + m.num_heads,  # also the GPU ring's raw row: x | B | C, dt
+            grid_ring=True,
         )
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
@@ -259,8 +261,9 @@ class Mamba2Block(_RecurrentBlock):
         windows = boundary_windows(proj, self.conv_cols, states.conv[layer], meta) if meta.captures else []
         inputs = window_rows(proj, self.conv_cols, states.conv[layer], meta) if meta.per_token else None
         mixed = ops.causal_conv(proj, self.conv_cols, states.conv[layer], self.conv_w, self.conv_b, meta)
+        ring = states.pending[layer] if states.pending else None  # the chunked GPU scan's pending rows
         y, caps = ops.mamba2_step(
-            mixed, dt, self.dt_bias, self.a, self.d, states.ssm[layer], meta, m.n_groups, m.time_step_limit
+            mixed, dt, self.dt_bias, self.a, self.d, states.ssm[layer], meta, m.n_groups, m.time_step_limit, ring=ring
         )
         stage_captures(states, meta, layer, windows, caps)
         keep_token_states(batch, meta, inputs, caps)

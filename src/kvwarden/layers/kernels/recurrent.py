@@ -24,7 +24,7 @@ state by them; reductions run over one head's key / state dimension as one block
 of fixed shape. Which other requests share the launch changes only the grid.
 
 Who runs these: Mamba2 on both GPU backends, and the gated delta rule on the
-fast path and, by default, on the canonical backend. ``numerics.gdn_scan=
+fast path and, by default, on the canonical backend. ``numerics.recurrent_scan=
 "chunked"`` swaps the canonical gated delta rule for the chunked scan of
 :mod:`kvwarden.layers.kernels.recurrent_grid` (faster prefill, dearer decode): a
 chunk's output there uses other arithmetic than this token-by-token update, so

@@ -1,6 +1,6 @@
 """The gated delta rule as a chunked scan on tensor cores, its chunk grid fixed to absolute positions.
 
-The canonical GPU backend's Qwen3-Next scan with ``numerics.gdn_scan="chunked"``
+The canonical GPU backend's Qwen3-Next scan with ``numerics.recurrent_scan="chunked"``
 (the default is the token-by-token loop of :mod:`kvwarden.layers.kernels.recurrent`:
 on the H200 this scan halves the prefill's scan time and cuts the 16K cold TTFT of
 the 0.6b hybrid from 0.375 s to 0.250 s, but its decode step, which recomputes
@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from kvwarden.layers.kernels.gemm import INTERPRETED
+from kvwarden.layers.kernels.ring import write_ring
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 
 # Value columns per program: a constant (never chosen by the batch). Under the interpreter (CI) a program costs
@@ -73,7 +74,6 @@ from kvwarden.layers.recurrent_plan import RecurrentMeta
 GRID_COLS, GRID_WARPS = (128 if INTERPRETED else 32), 4
 DOT_PRECISION = "tf32x3"  # float32 operands on tensor cores, about float32's accuracy
 CHUNKS = (16, 32, 64)  # tl.dot needs 16 rows; a power of two for the inverse's doubling (engine/memory.py)
-RING_COLS = 256  # columns per program of the pending-row writer
 _NO_CAPTURE = tl.constexpr(1 << 30)  # a capture index past any step
 
 
@@ -266,28 +266,6 @@ def _gdn_state_kernel(
         tl.store(state_ptr + slot * (HV * DK * DV) + s_off, state, mask=smask)
 
 
-@triton.jit
-def _ring_write_kernel(
-    x_ptr, x_stride, ba_ptr, ba_stride, ring_ptr, row0_ptr, len_ptr, start_ptr, slot_ptr,
-    C: tl.constexpr, XW: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
-):  # fmt: skip
-    """Each request's last rows (at most ``C``) into its ring at ``position % 2C``, float32."""
-    s = tl.program_id(0)
-    cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    n = tl.load(len_ptr + s)
-    start = tl.load(start_ptr + s)
-    row0 = tl.load(row0_ptr + s).to(tl.int64)
-    ring = ring_ptr + tl.load(slot_ptr + s).to(tl.int64) * (2 * C * F)
-    end = start + n
-    in_x = cols < XW
-    in_ba = (cols >= XW) & (cols < F)
-    for p in range(tl.maximum(start, end - C), end):
-        row = row0 + (p - start)
-        xv = tl.load(x_ptr + row * x_stride + cols, mask=in_x, other=0.0).to(tl.float32)
-        bv = tl.load(ba_ptr + row * ba_stride + (cols - XW), mask=in_ba, other=0.0).to(tl.float32)
-        tl.store(ring + (p % (2 * C)) * F + cols, tl.where(in_x, xv, bv), mask=cols < F)
-
-
 def gated_delta_grid(
     x: torch.Tensor,
     ba: torch.Tensor,
@@ -340,10 +318,5 @@ def gated_delta_grid(
             meta.seq_row0, meta.seq_len, meta.seq_start, meta.seq_slot, meta.chunk0,
             meta.cap_first, meta.cap_count, meta.cap_at, BV=cols, **common,
         )  # fmt: skip
-        # NOTE: after the scan, never inside it: other programs of the scan read the rows this overwrites
-        width = xw + 2 * hv
-        _ring_write_kernel[(meta.num_seqs, triton.cdiv(width, RING_COLS))](
-            x, x.stride(0), ba, ba.stride(0), ring, meta.seq_row0, meta.seq_len, meta.seq_start, meta.seq_slot,
-            C=chunk, XW=xw, F=width, BF=RING_COLS,
-        )  # fmt: skip
+        write_ring(x, ba, ring, meta)  # NOTE: after the scan: its programs read the rows this overwrites
     return out, caps[: meta.num_capture_rows]
