@@ -235,6 +235,9 @@ def test_chunked_scans_through_graphs_speculation_and_the_prefix_cache(family: s
     assert (warm.token_ids, warm.logprobs) == (cold.token_ids, cold.logprobs)
     with pytest.raises(ValueError, match="block_size: 8 must be a multiple of the recurrent scan chunk"):
         make(block_size=8)
+    # a return to a kept token reads the ring, which keeps a step's last 16 rows: 16 drafts are refused
+    with pytest.raises(ValueError, match="num_speculative_tokens: 16 drafts make verify steps of 17 rows"):
+        make(speculative_config={"method": "ngram", "num_speculative_tokens": 16})
 
 
 def _record_drafts(llm: LLM) -> list[list[tuple[int, ...]]]:

@@ -60,7 +60,8 @@ class NumericsConfig:
             ``scan_chunk`` on the absolute position grid on tensor cores (faster prefill: long prompts; a
             decode step recomputes its chunk; the block size a multiple of the chunk). Both are invariant;
             their bits differ, so instances that share states (disaggregated serving) use the same one.
-            Ignored on the CPU (always chunked) and by the fast path (always token by token).
+            The CPU's PyTorch path is always chunked and the fast path always token by token; the Triton
+            kernels under the CPU interpreter (``kernels="triton"``) follow it.
         unsafe_topk: TESTING ONLY. Sparse attention's key selection (GLM-5's indexer) on bfloat16 scores
             with ties kept in the order parallel partitions happen to finish, as the kernel behind the
             seed incident hands out slots: the selection, and the answer, then depend on the step's

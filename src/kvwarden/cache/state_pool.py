@@ -149,8 +149,10 @@ class StatePool:
         """After a rejected draft: the working state becomes the kept state after token ``pos - 1``, and
         boundary states staged past ``pos`` (computed through rejected drafts) are forgotten.
 
-        NOTE(invariance): the kept state is the one the token-by-token kernel computed after that token
-        in the verify step - what plain decoding computes there - so no token is recomputed."""
+        NOTE(invariance): the kept state is the one the scan computed after that token in the verify step -
+        what plain decoding computes there - so no token is recomputed. (The GPU's chunked scans keep the state
+        at the token's grid point; the rows after it are in the ring, which a step of at most ``chunk`` rows
+        leaves intact.)"""
         layers = self._tokens.pop(request_id)[pos]
         slot = self.working[request_id]
         for layer, (conv, ssm) in enumerate(layers):

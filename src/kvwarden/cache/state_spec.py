@@ -37,6 +37,7 @@ def scan_scratch_bytes(specs: list[RecurrentLayerSpec], chunk: int, rows: int, s
     for s in specs:
         if s.scan_scratch:
             heads, dk, dv = s.ssm_shape
+            dk, dv = (max(16, 1 << (d - 1).bit_length()) for d in (dk, dv))  # the kernel's padded blocks
             worst = max(worst, 4 * heads * (3 * chunk * dk + chunk * dv + chunk * chunk + 1))
     return worst * (rows // chunk + 2 * seqs)  # each request's chunks: its rows' plus at most two partial
 

@@ -63,7 +63,9 @@ class LLMEngine:
         cache = config.cache
         model = self.loaded.model
         specs = model.recurrent_specs()
-        check_scan_chunk(specs, self.ops.scan_mode, cache.block_size, config.numerics.scan_chunk)
+        drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        step_tokens = config.scheduler.max_num_batched_tokens
+        check_scan_chunk(specs, self.ops.scan_mode, cache.block_size, config.numerics.scan_chunk, step_tokens, drafts)
         mtp_bytes = sum(t.numel() for t in self.loaded.mtp_weights.values()) * model.embed.element_size()
         self.num_blocks = cache.num_blocks or num_cache_blocks(config, self.device, self.model_config, model, mtp_bytes)
         self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)

@@ -42,19 +42,36 @@ def context_limit(max_model_len: int | None, cfg: ModelConfig) -> int:
     return window
 
 
-def check_scan_chunk(specs: list[RecurrentLayerSpec], scan_mode: str, block_size: int, chunk: int) -> None:
-    """A chunked scan needs every block boundary on its grid (the prefix cache saves states there), and
-    the GPU's chunked scan needs a chunk its tensor-core dots take.
+def check_scan_chunk(
+    specs: list[RecurrentLayerSpec], scan_mode: str, block_size: int, chunk: int, step_tokens: int, drafts: int
+) -> None:
+    """A chunked scan needs every block boundary on its grid (the prefix cache saves states there); the GPU's
+    chunked scan needs a chunk its tensor-core dots take, at most ``65,535`` grid chunks per request in a step
+    (a launch grid's limit), and verify steps of at most ``chunk`` rows: the return to a kept token reads the
+    pending rows before it from the ring, which keeps a step's last ``chunk`` rows only.
 
     Raises:
-        ValueError: naming ``block_size`` or ``numerics.scan_chunk``.
+        ValueError: naming ``block_size``, ``numerics.scan_chunk``, ``max_num_batched_tokens`` or
+            ``num_speculative_tokens``.
     """
     if not specs or scan_mode not in ("chunked", "grid"):
         return
-    if scan_mode == "grid" and chunk not in GRID_CHUNKS:
-        raise ValueError(
-            f"numerics.scan_chunk: {chunk} is not a chunk of the GPU's chunked scan; use one of {GRID_CHUNKS}"
-        )
+    if scan_mode == "grid":
+        if chunk not in GRID_CHUNKS:
+            raise ValueError(
+                f"numerics.scan_chunk: {chunk} is not a chunk of the GPU's chunked scan; use one of {GRID_CHUNKS}"
+            )
+        if step_tokens // chunk + 2 > 65535:
+            raise ValueError(
+                f"max_num_batched_tokens: {step_tokens} is more than the chunked scan takes in one step "
+                f"({(65535 - 2) * chunk} with chunks of {chunk})"
+            )
+        if drafts + 1 > chunk:
+            raise ValueError(
+                f"num_speculative_tokens: {drafts} drafts make verify steps of {drafts + 1} rows; the chunked "
+                f"recurrent scan returns to a kept token only within {chunk} rows: use at most {chunk - 1} "
+                "drafts, or recurrent_scan='token'"
+            )
     if block_size % chunk:
         raise ValueError(
             f"block_size: {block_size} must be a multiple of the recurrent scan chunk "

@@ -8,10 +8,12 @@ window it started from), so the state after the last accepted token is picked on
 gather and one scatter per tensor per step, replayed as one graph, no recomputation, and the next
 step is a plain ``1 + k``-row step that replays a graph again.
 
-NOTE(invariance): the kept state is the very tensor the token-by-token kernel computed after that
-token - the bits an eager step (or plain decoding) computes at that position, since the kernels are
-row- and chunk-invariant; rejected drafts never reach a kept state. Boundary states for the prefix
-cache are staged from the same tensors, only at positions the kept tokens reach.
+NOTE(invariance): the kept state is the very tensor the scan computed after that token - the bits an
+eager step (or plain decoding) computes at that position, since the kernels are row- and
+chunk-invariant; rejected drafts never reach a kept state. (With the chunked scans it is the state at
+that token's grid point: the pending rows after it stay in the request's ring, addressed by position.)
+Boundary states for the prefix cache are staged from the same tensors, only at positions the kept
+tokens reach.
 """
 
 from __future__ import annotations

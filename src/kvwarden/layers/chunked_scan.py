@@ -18,10 +18,11 @@ Two drivers with one signature (the CPU's, request by request):
   align mode).
 
 On a GPU the scan runs batched over a step's requests instead
-(:mod:`kvwarden.models.recurrent_batched`): the canonical backend's gated delta
-rule on the same absolute grid with a ring of raw pending rows
-(:mod:`kvwarden.layers.kernels.recurrent_grid`), Mamba2 and the fast path token
-by token (:mod:`kvwarden.layers.kernels.recurrent`).
+(:mod:`kvwarden.models.recurrent_batched`): token by token by default and on the
+fast path (:mod:`kvwarden.layers.kernels.recurrent`), or, with
+``numerics.recurrent_scan="chunked"``, on the same absolute grid as here with a
+ring of raw pending rows (:mod:`kvwarden.layers.kernels.recurrent_grid`,
+:mod:`kvwarden.layers.kernels.ssd_grid`).
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ class Ops:
 
     name = "shape-dependent"
     # How recurrent layers scan: "vendor" (grid from the chunk's start, state only at chunk ends),
-    # "chunked" (kvwarden's absolute 16-row grid, CPU) or "recurrent" (token by token, GPU).
+    # "chunked" (kvwarden's absolute 16-row grid, CPU), "recurrent" (token by token, GPU) or "grid" (the GPU's
+    # chunked scans on the absolute grid with rings of pending rows, numerics.recurrent_scan="chunked").
     scan_mode = "vendor"
     # GPU backends: recurrent layers run once per layer for every request of a step (causal_conv,
     # gated_delta_step, mamba2_step, rms_norm_gated), sparse MoE routes and dispatches on the device

@@ -23,12 +23,12 @@ independent in both updates (gated delta: column ``j`` of ``S`` reads only
 state by them; reductions run over one head's key / state dimension as one block
 of fixed shape. Which other requests share the launch changes only the grid.
 
-Who runs these: Mamba2 on both GPU backends, and the gated delta rule on the
-fast path and, by default, on the canonical backend. ``numerics.recurrent_scan=
-"chunked"`` swaps the canonical gated delta rule for the chunked scan of
-:mod:`kvwarden.layers.kernels.recurrent_grid` (faster prefill, dearer decode): a
-chunk's output there uses other arithmetic than this token-by-token update, so
-an engine runs one or the other, never both. flash-linear-attention's
+Who runs these: the fast path, and the canonical backend by default.
+``numerics.recurrent_scan="chunked"`` swaps the canonical backend's scans for
+the chunked ones of :mod:`kvwarden.layers.kernels.recurrent_grid` (gated delta)
+and :mod:`kvwarden.layers.kernels.ssd_grid` (Mamba2) (faster prefill, dearer
+decode): a chunk's output there uses other arithmetic than this token-by-token
+update, so an engine runs one or the other, never both. flash-linear-attention's
 ``fused_recurrent_gated_delta_rule`` is this loop; it has no state slots and no
 boundary captures, and specialises its length argument.
 """

@@ -3,8 +3,9 @@
 A request's working state on the chunk grid is the state at its last grid point
 plus the raw inputs of the positions since; a step reads them back to recompute
 its grid chunk. Rows live at ``position % 2C`` of a ``2C``-row ring, so a verify
-step (at most ``C`` rows) never overwrites the rows before its start that a
-return to one of its tokens needs.
+step of at most ``C`` rows (drafts beyond ``C - 1`` are refused at start-up,
+``engine/memory.py``) never overwrites the rows before its start that a return
+to one of its tokens needs.
 
 NOTE(invariance): rows are stored in float32, exact copies of the model-dtype
 inputs, so a row read back is the value the step itself read.
