@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from kvwarden.layers.kernels.gemm import INTERPRETED
-from kvwarden.layers.kernels.ring import write_ring
+from kvwarden.layers.kernels.ring import read_column, read_rows, write_ring
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 
 # Value columns per program: a constant (never chosen by the batch). Under the interpreter (CI) a program costs
@@ -133,37 +133,11 @@ def _gdn_chunk_kernel(
         in_x = (pos >= start) & (pos < end)
         xrow = row0 + (pos - start).to(tl.int64)
         rrow = (pos % (2 * C)).to(tl.int64) * F
-        q = tl.where(
-            in_ring[:, None],
-            tl.load(ring + rrow[:, None] + q_col[None, :], mask=in_ring[:, None] & kmask[None, :], other=0.0),
-            tl.load(
-                x_ptr + xrow[:, None] * x_stride + q_col[None, :], mask=in_x[:, None] & kmask[None, :], other=0.0
-            ).to(tl.float32),
-        )
-        k = tl.where(
-            in_ring[:, None],
-            tl.load(ring + rrow[:, None] + k_col[None, :], mask=in_ring[:, None] & kmask[None, :], other=0.0),
-            tl.load(
-                x_ptr + xrow[:, None] * x_stride + k_col[None, :], mask=in_x[:, None] & kmask[None, :], other=0.0
-            ).to(tl.float32),
-        )
-        v = tl.where(
-            in_ring[:, None],
-            tl.load(ring + rrow[:, None] + v_col[None, :], mask=in_ring[:, None] & vmask[None, :], other=0.0),
-            tl.load(
-                x_ptr + xrow[:, None] * x_stride + v_col[None, :], mask=in_x[:, None] & vmask[None, :], other=0.0
-            ).to(tl.float32),
-        )
-        b = tl.where(
-            in_ring,
-            tl.load(ring + rrow + XW + b_col, mask=in_ring, other=0.0),
-            tl.load(ba_ptr + xrow * ba_stride + b_col, mask=in_x, other=0.0).to(tl.float32),
-        )
-        a = tl.where(
-            in_ring,
-            tl.load(ring + rrow + XW + b_col + REP, mask=in_ring, other=0.0),
-            tl.load(ba_ptr + xrow * ba_stride + b_col + REP, mask=in_x, other=0.0).to(tl.float32),
-        )
+        q = read_rows(ring, rrow, x_ptr, x_stride, xrow, q_col, kmask, in_ring, in_x)
+        k = read_rows(ring, rrow, x_ptr, x_stride, xrow, k_col, kmask, in_ring, in_x)
+        v = read_rows(ring, rrow, x_ptr, x_stride, xrow, v_col, vmask, in_ring, in_x)
+        b = read_column(ring + XW, rrow, ba_ptr, ba_stride, xrow, b_col, in_ring, in_x)
+        a = read_column(ring + XW, rrow, ba_ptr, ba_stride, xrow, b_col + REP, in_ring, in_x)
         # the per-token gates and norms, as the token-by-token kernel computes them
         q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
         k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]

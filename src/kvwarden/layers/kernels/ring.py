@@ -44,6 +44,29 @@ def _ring_write_kernel(
         tl.store(ring + (p % (2 * C)) * F + cols, tl.where(in_x, xv, ev), mask=cols < F)
 
 
+@triton.jit
+def read_rows(ring, rrow, x_ptr, x_stride, xrow, cols, colmask, in_ring, in_x):
+    """A chunk's rows ``[C, cols]`` in float32: earlier steps' from the ring (row offsets ``rrow``), this step's
+    from ``x`` (rows ``xrow``), zeros past the request's rows."""
+    return tl.where(
+        in_ring[:, None],
+        tl.load(ring + rrow[:, None] + cols[None, :], mask=in_ring[:, None] & colmask[None, :], other=0.0),
+        tl.load(x_ptr + xrow[:, None] * x_stride + cols[None, :], mask=in_x[:, None] & colmask[None, :], other=0.0).to(
+            tl.float32
+        ),
+    )
+
+
+@triton.jit
+def read_column(ring, rrow, x_ptr, x_stride, xrow, col, in_ring, in_x):
+    """One column of a chunk's rows ``[C]`` in float32 (a gate's input), as :func:`read_rows`."""
+    return tl.where(
+        in_ring,
+        tl.load(ring + rrow + col, mask=in_ring, other=0.0),
+        tl.load(x_ptr + xrow * x_stride + col, mask=in_x, other=0.0).to(tl.float32),
+    )
+
+
 def write_ring(x: torch.Tensor, extra: torch.Tensor, ring: torch.Tensor, meta: RecurrentMeta) -> None:
     """Keep the step's last rows of ``x | extra`` (``[rows, XW]``, ``[rows, E]``, rows contiguous in their last
     dimension) in each request's ring ``[slots, 2C, XW + E]``. Launch it after the scan that read the ring."""

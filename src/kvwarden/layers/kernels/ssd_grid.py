@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kvwarden.layers.kernels.gemm import INTERPRETED
 from kvwarden.layers.kernels.recurrent_grid import CHUNKS, DOT_PRECISION
-from kvwarden.layers.kernels.ring import write_ring
+from kvwarden.layers.kernels.ring import read_column, read_rows, write_ring
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 
 # Head-dim rows per program (a constant, never chosen by the batch): 16 on a GPU (the token loop's block);
@@ -92,32 +92,10 @@ def _ssd_grid_kernel(
         in_x = (pos >= start) & (pos < end)
         xrow = row0 + (pos - start).to(tl.int64)
         rrow = (pos % (2 * C)).to(tl.int64) * F
-        x = tl.where(
-            in_ring[:, None],
-            tl.load(ring + rrow[:, None] + x_col[None, :], mask=in_ring[:, None] & pmask[None, :], other=0.0),
-            tl.load(
-                x_ptr + xrow[:, None] * x_stride + x_col[None, :], mask=in_x[:, None] & pmask[None, :], other=0.0
-            ).to(tl.float32),
-        )
-        bb = tl.where(
-            in_ring[:, None],
-            tl.load(ring + rrow[:, None] + b_col[None, :], mask=in_ring[:, None] & nmask[None, :], other=0.0),
-            tl.load(
-                x_ptr + xrow[:, None] * x_stride + b_col[None, :], mask=in_x[:, None] & nmask[None, :], other=0.0
-            ).to(tl.float32),
-        )
-        cc = tl.where(
-            in_ring[:, None],
-            tl.load(ring + rrow[:, None] + c_col[None, :], mask=in_ring[:, None] & nmask[None, :], other=0.0),
-            tl.load(
-                x_ptr + xrow[:, None] * x_stride + c_col[None, :], mask=in_x[:, None] & nmask[None, :], other=0.0
-            ).to(tl.float32),
-        )
-        dt = tl.where(
-            in_ring,
-            tl.load(ring + rrow + XW + h, mask=in_ring, other=0.0),
-            tl.load(dt_ptr + xrow * dt_stride + h, mask=in_x, other=0.0).to(tl.float32),
-        )
+        x = read_rows(ring, rrow, x_ptr, x_stride, xrow, x_col, pmask, in_ring, in_x)
+        bb = read_rows(ring, rrow, x_ptr, x_stride, xrow, b_col, nmask, in_ring, in_x)
+        cc = read_rows(ring, rrow, x_ptr, x_stride, xrow, c_col, nmask, in_ring, in_x)
+        dt = read_column(ring + XW, rrow, dt_ptr, dt_stride, xrow, h, in_ring, in_x)
         # softplus and the clamp as the token-by-token kernel computes them; padding rows take no step
         dx = dt + dt_bias
         step = tl.where(dx > 20.0, dx, tl.log(1.0 + tl.exp(tl.minimum(dx, 20.0))))
