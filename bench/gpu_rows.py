@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -208,24 +209,28 @@ def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[st
         # and its prefix hit (the parallel-split launch), so no row pays a first-use compile.
         warm = [rng.randrange(3, vocab) for _ in range(min(1100, max(args.prompts)))]
         engine.generate([warm + [7] * 16, warm + [9] * 16], one)
+
+        def timed(prompt: list[int], engine: Any = engine) -> float:
+            sync(args.device)
+            t0 = time.perf_counter()
+            engine.generate([prompt], one)
+            sync(args.device)
+            return time.perf_counter() - t0
+
         for length in args.prompts:
-            prefix = [rng.randrange(3, vocab) for _ in range(length)]
-
-            def timed(prompt: list[int], engine: Any = engine) -> float:
-                sync(args.device)
-                t0 = time.perf_counter()
-                engine.generate([prompt], one)
-                sync(args.device)
-                return time.perf_counter() - t0
-
-            cold = timed(prefix + [7] * 16)
-            graphs = engine.engine.runner.graphs
-            tails = graphs.tail_replays if graphs is not None else 0
-            warm = timed(prefix + [9] * 16)  # the prefix's blocks are cached now
-            # whether the warm request's 16-token tail replayed a graph (else it ran eagerly)
-            tail_graph = graphs is not None and graphs.tail_replays > tails
-            row = {"model": model, "engine": name, "prompt": length, "cold_s": cold, "warm_s": warm}
-            rows.append(row | {"warm_graph": tail_graph})
+            colds, warms, tail_graph = [], [], True
+            for _ in range(args.ttft_repeats):  # a fresh prefix each time: every cold run is really cold
+                prefix = [rng.randrange(3, vocab) for _ in range(length)]
+                colds.append(timed(prefix + [7] * 16))
+                graphs = engine.engine.runner.graphs
+                tails = graphs.tail_replays if graphs is not None else 0
+                warms.append(timed(prefix + [9] * 16))  # the prefix's blocks are cached now
+                # whether the warm request's 16-token tail replayed a graph (else it ran eagerly)
+                tail_graph &= graphs is not None and graphs.tail_replays > tails
+            row = {"model": model, "engine": name, "prompt": length, "warm_graph": tail_graph}
+            # the median of the repeats (one slow first call or one lucky one moves neither)
+            row |= {"cold_s": statistics.median(colds), "warm_s": statistics.median(warms)}
+            rows.append(row | {"cold_runs_s": colds, "warm_runs_s": warms})
         del engine
     return rows
 

@@ -8,7 +8,8 @@
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
 #   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
-#   scripts/gpu_check.sh full speed                   # issue 13's whole table, one bench/gpu.py run (~9.5 min alone)
+#   scripts/gpu_check.sh full speed                   # the whole table (dense + both hybrids), one bench/gpu.py run
+#                                                     # (SPEED_ARGS replaces its flags; parts past the deadline skip)
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
@@ -130,17 +131,39 @@ if want tune; then
   record "GEMM tuning (shapes, all candidates invariant)" "$(python3 -c "import json; d=json.loads(open('$OUT/tune_gemm.log').read().splitlines()[-1])['shapes']; print(len(d), all(v['all_invariant'] for v in d.values()))" 2>&1 | tail -n 1)"
 fi
 
-speed() {  # $1: log name, then bench/gpu.py flags
+speed() {  # $1: log name, then bench/gpu.py flags; the JSON is saved after every part (a timeout keeps it)
   local name=$1; shift
-  timeout "${SPEED_TIMEOUT:-585}" python3 bench/gpu.py "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 70
-  tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+  local limit=${SPEED_TIMEOUT:-585}
+  # CALL_BUDGET_S: the device call's whole limit; this run gets what the earlier stages left of it
+  [ -n "${CALL_BUDGET_S:-}" ] && limit=$(( CALL_BUDGET_S - ($(date +%s) - T0) - 15 ))
+  rm -f "$OUT/$name.json"
+  timeout "$limit" python3 bench/gpu.py --save "$OUT/$name.json" --deadline-s "${SPEED_DEADLINE:-$(( limit - 75 ))}" \
+    "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 80
 }
-if [ "$MODE" = full ] && want speed; then  # issue 13's whole table: one bench/gpu.py run (~9.5 min)
-  stage "speed: offline (${SPEED_REQUESTS:-256} sequences), decode by batch, TTFT, dense and hybrid, in one run"
-  speed gpu_speed --num-requests "${SPEED_REQUESTS:-256}" ${SPEED_ROWS_ARGS:-}
-  record "speed: offline tok/s (engine: tok/s) and floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print({r['engine']: round(r['output_tok_s']) for r in d['offline']['rows']}, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
-  record "speed: decode tok/s canonical (dense b1..b256, hybrid)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
-  record "speed: TTFT 16K cold/warm s (canonical)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print([(r['cold_s'], r['warm_s']) for r in d['ttft'] if r['engine'] == 'canonical' and r['prompt'] == 16384])" 2>&1 | tail -n 1)"
+# before 'speed': a call of 'mtptrain speed' measures MTP on the trained model inside the speed run
+if [ "$MODE" = full ] && want mtptrain; then  # acceptance that means something: a trained target, a fitted head
+  TRAINED="$KVWARDEN_HOME/qwen3_next-small-trained"
+  stage "MTP on a trained target: qwen3_next-small trained ${TRAIN_STEPS:-400} steps on the bundled text, head fitted, k=2 vs off"
+  rm -rf "$TRAINED"
+  timeout 300 python3 -m kvwarden.cli make-model --arch qwen3_next --preset small --out "$TRAINED" \
+    --train-steps "${TRAIN_STEPS:-400}" --fit-mtp --device cuda 2>&1 | grep -v -e Loading -e Writing | tee "$OUT/mtptrain.log" | tail -n 8
+  want speed || SPEED_TIMEOUT=240 speed gpu_mtp --model "$TRAINED" --hybrid none --skip-offline --skip-rows --spec-model "$TRAINED"
+  want speed || record "MTP k=2 on trained small (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_mtp.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d['spec']])" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want speed; then  # the whole table: dense and both hybrids, one bench/gpu.py run
+  stage "speed: offline (${SPEED_REQUESTS:-256} sequences), decode by batch, TTFT; dense, Qwen3-Next and Granite styles"
+  # MTP k=2 against speculation off in the same run, on a trained model: SPEED_SPEC_MODEL, or the one the
+  # mtptrain stage of this call made
+  SPEC=${SPEED_SPEC_MODEL:-$([ -d "$KVWARDEN_HOME/qwen3_next-small-trained" ] && echo "$KVWARDEN_HOME/qwen3_next-small-trained")}
+  speed gpu_speed --num-requests "${SPEED_REQUESTS:-256}" ${SPEED_ARGS:---skip-transformers --row-engines canonical,fast} \
+    ${SPEC:+--spec-model "$SPEC"}
+  record "speed: offline tok/s (model: canonical|fast), floor" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); o={}; [o.setdefault(r.get('model', 'dense').split(':')[-1], []).append(round(r['output_tok_s'])) for r in d['offline']['rows'] + d['offline_hybrid']]; print(o, round(d['offline']['floor_tok_s']))" 2>&1 | tail -n 1)"
+  for KIND in canonical fast; do
+    record "speed: decode $KIND tok/s (model: b1..b256)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); o={}; [o.setdefault(r['model'].split(':')[-1], []).append(round(r['decode_tok_s'])) for r in d['decode'] if r['engine'] == '$KIND']; print(o)" 2>&1 | tail -n 1)"
+  done
+  record "speed: TTFT canonical 4K|16K cold/warm s" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); o={}; [o.setdefault(r['model'].split(':')[-1], []).append((round(r['cold_s'], 3), round(r['warm_s'], 4))) for r in d['ttft'] if r['engine'] == 'canonical' and r['prompt'] >= 4096]; print(o)" 2>&1 | tail -n 1)"
+  [ -n "$SPEC" ] && record "speed: MTP k=2 (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_speed.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d.get('spec', [])])" 2>&1 | tail -n 1)"
+  record "speed: parts skipped past the deadline" "$(python3 -c "import json; print(json.load(open('$OUT/gpu_speed.json'))['skipped'] or 'none')" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want speedoffline; then
   stage "speed, offline half: nano-vllm's workload (${SPEED_REQUESTS:-256} sequences) and the kernel profile"
@@ -191,12 +214,14 @@ fi
 if [ "$MODE" = full ] && want hybridspeed; then  # the hybrid's rows only (the dense ones come with 'speed')
   stage "hybrid speed: decode b1..b256 (graphs), TTFT 1K/4K/16K cold and warm, canonical and fast"
   SPEED_TIMEOUT=${HYBRID_TIMEOUT:-360} speed gpu_hybrid --skip-offline --skip-dense-rows ${HYBRID_ARGS:-}
-  record "hybrid: decode tok/s canonical (b1..b256)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_hybrid.json')); print([round(r['decode_tok_s']) for r in d['decode'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
-  record "hybrid: TTFT cold/warm s (canonical)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_hybrid.json')); print([(r['prompt'], round(r['cold_s'], 3), round(r['warm_s'], 3)) for r in d['ttft'] if r['engine'] == 'canonical'])" 2>&1 | tail -n 1)"
+  for KIND in $(python3 -c "import json; print(' '.join(sorted({r['engine'] for r in json.load(open('$OUT/gpu_hybrid.json'))['decode']})))" 2>/dev/null); do
+    record "hybrid: decode $KIND tok/s (model: by batch)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_hybrid.json')); o={}; [o.setdefault(r['model'].split(':')[-1], []).append(round(r['decode_tok_s'])) for r in d['decode'] if r['engine'] == '$KIND']; print(o)" 2>&1 | tail -n 1)"
+    record "hybrid: TTFT $KIND cold/warm s (model: by prompt)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_hybrid.json')); o={}; [o.setdefault(r['model'].split(':')[-1], []).append((round(r['cold_s'], 3), round(r['warm_s'], 4))) for r in d['ttft'] if r['engine'] == '$KIND']; print(o)" 2>&1 | tail -n 1)"
+  done
 fi
 if [ "$MODE" = full ] && want hybridprofile; then
   stage "hybrid profile: one prefill chunk and one decode step by kernel group (eager), the graph step's time"
-  timeout "${PROFILE_TIMEOUT:-200}" python3 bench/gpu_profile.py --model builtin:qwen3_next-0.6b \
+  timeout "${PROFILE_TIMEOUT:-200}" python3 bench/gpu_profile.py --model "${PROFILE_MODEL:-builtin:qwen3_next-0.6b}" ${PROFILE_ARGS:-} \
     2>&1 | tee "$OUT/hybrid_profile.log" | grep -v -e '^{' -e USDT | tail -n 40
   tail -n 1 "$OUT/hybrid_profile.log" > "$OUT/hybrid_profile.json"
   record "hybrid profile: decode step ms (eager, graph)" "$(python3 -c "import json; d=json.load(open('$OUT/hybrid_profile.json')); print(round(d['decode_step_s_eager'] * 1e3, 2), round(d['decode_step_s_graph'] * 1e3, 2))" 2>&1 | tail -n 1)"
@@ -250,15 +275,6 @@ if want smollm2; then  # the real model: its GGUF joined from the carried parts,
   fi
 fi
 
-if [ "$MODE" = full ] && want mtptrain; then  # acceptance that means something: a trained target, a fitted head
-  TRAINED="$KVWARDEN_HOME/qwen3_next-small-trained"
-  stage "MTP on a trained target: qwen3_next-small trained ${TRAIN_STEPS:-400} steps on the bundled text, head fitted, k=2 vs off"
-  rm -rf "$TRAINED"
-  timeout 300 python3 -m kvwarden.cli make-model --arch qwen3_next --preset small --out "$TRAINED" \
-    --train-steps "${TRAIN_STEPS:-400}" --fit-mtp --device cuda 2>&1 | grep -v -e Loading -e Writing | tee "$OUT/mtptrain.log" | tail -n 8
-  SPEED_TIMEOUT=240 speed gpu_mtp --model "$TRAINED" --hybrid none --skip-offline --skip-rows --spec-model "$TRAINED"
-  record "MTP k=2 on trained small (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_mtp.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d['spec']])" 2>&1 | tail -n 1)"
-fi
 
 if want diag; then  # which side is off when the engines disagree: both on the CPU and on the GPU
   stage "reference diagnosis: transformers and kvwarden, CPU and GPU, float32 (${DIAG_MODELS:-builtin:granite_hybrid_moe-small})"

@@ -137,6 +137,32 @@ GRANITE_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Granite-4.0-H-Tiny's hybrid layers (hidden 1536; Mamba2 with 48 heads of 64, state 128, one group; attention
+# 12 / 4 heads of 128 without rotary; its first 24 layer types, two of them attention) with a dense shared MLP
+# instead of its 64 routed experts: about 0.6B parameters (154M of them its 100,352-row tied embedding), so the
+# GPU rows of a Mamba2 hybrid stand beside the Qwen3-0.6B shape. 22 Mamba2 layers hold 34.6 MB of float32 state
+# per request.
+GRANITE_PRESETS["0.6b"] = {
+    "hidden_size": 1536,
+    "shared_intermediate_size": 1024,
+    "num_hidden_layers": 24,
+    "layer_types": ["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "mamba_n_heads": 48,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_n_groups": 1,
+    "position_embedding_type": "nope",
+    "vocab_size": 100352,
+    "max_position_embeddings": 131072,
+    "mamba_chunk_size": 256,
+    # the tied 1536-wide embedding (std 0.5) at scaling 2 puts the top token ~90 nats above the next (the
+    # residual still carries the input row, which the tied head scores against itself); 10 brings it to ~18
+    "logits_scaling": 10.0,
+}
+
+
 def qwen3_next_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any]:
     p = dict(QWEN3_NEXT_PRESETS[preset])
     n, interval = p["num_hidden_layers"], p.pop("full_attention_interval")
@@ -169,11 +195,10 @@ def granite_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any
     preset = "small" if preset == "compat" else preset
     if preset not in GRANITE_PRESETS:
         raise ValueError(f"--preset: granite_hybrid has no {preset!r} preset (it has {sorted(GRANITE_PRESETS)})")
-    return {
+    cfg = {
         "architectures": ["GraniteMoeHybridForCausalLM"],
         "model_type": "granitemoehybrid",
         "vocab_size": vocab,
-        **GRANITE_PRESETS[preset],
         "num_local_experts": 0,
         "num_experts_per_tok": 0,
         "mamba_d_conv": 4,
@@ -195,6 +220,7 @@ def granite_config(preset: str, vocab: int, eos: int, bos: int) -> dict[str, Any
         "eos_token_id": eos,
         "dtype": "float32",
     }
+    return cfg | GRANITE_PRESETS[preset]  # the preset's own sizes (vocabulary, context, scan chunk) win
 
 
 def _attention(w: dict[str, torch.Tensor], p: str, cfg: dict[str, Any], init: Init, gated: bool) -> None:
