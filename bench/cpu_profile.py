@@ -1,8 +1,9 @@
 """Where a CPU step's time goes: one prefill chunk and one decode step, by operator and by engine part.
 
-For each numerics mode, one engine (CPU, float32) runs a prefill chunk of
-``--chunk`` tokens, then a decode step of ``--batch`` requests. Each step is
-measured three ways: wall time (best of ``--repeats``); the PyTorch operators
+For each engine (``--engines``: canonical numerics on the compiled kernels,
+canonical on PyTorch's kernels, shape-dependent; CPU, float32), one engine
+runs a prefill chunk of ``--chunk`` tokens, then a decode step of ``--batch``
+requests. Each step is measured three ways: wall time (best of ``--repeats``); the PyTorch operators
 it ran (``torch.profiler``, self CPU time, grouped: GEMM, attention products,
 softmax/exp, norms, copies and indexing, other); and the Python time of the
 engine's own parts (``cProfile``, self time by package: scheduler and block
@@ -10,7 +11,7 @@ tables, model runner, layers, models, sampler, cache). The operator time is
 inside the Python time of the layer that called it, so the two tables answer
 different questions: what the arithmetic costs, and what the host adds.
 
-    python bench/cpu_profile.py                             # llama-small, both numerics modes
+    python bench/cpu_profile.py                             # llama-small, every engine
     python bench/cpu_profile.py --model smollm2 --chunk 256 --batch 8
 
 Ends with one JSON line.
@@ -37,6 +38,12 @@ OP_GROUPS = (
     ("copies, cat, index", ("copy", "aten::cat", "index", "aten::gather", "aten::scatter", "aten::clone", "aten::to")),
     ("element-wise", ("aten::mul", "aten::add", "aten::sub", "aten::silu", "aten::neg", "aten::sigmoid")),
 )
+# engine name -> (numerics mode, kernel source)
+ENGINES = {
+    "canonical": ("canonical", "compiled"),
+    "canonical-torch": ("canonical", "torch"),
+    "shape-dependent": ("shape-dependent", "auto"),
+}
 TOP_OPS = 8  # single operators listed per step (name, ms, calls)
 PARTS = (
     ("scheduler + block tables", ("engine/scheduler", "engine/chunking", "cache/")),
@@ -130,7 +137,12 @@ def phase(llm: Any, kind: str, args: argparse.Namespace, rng: random.Random) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:llama-small")
-    p.add_argument("--numerics", default="canonical,shape-dependent")
+    p.add_argument(
+        "--engines",
+        default="canonical,canonical-torch,shape-dependent",
+        help="comma-separated: canonical (the compiled CPU kernels), canonical-torch (canonical numerics on "
+        "PyTorch's kernels), shape-dependent (library calls)",
+    )
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens (one request)")
     p.add_argument("--batch", type=int, default=16, help="requests in the decode step")
     p.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding request")
@@ -140,12 +152,15 @@ def main() -> None:
     from kvwarden import LLM
 
     rows = []
-    for numerics in args.numerics.split(","):
-        llm = LLM(args.model, device="cpu", dtype="float32", numerics=numerics,
+    for engine in args.engines.split(","):
+        if engine not in ENGINES:
+            p.error(f"--engines: unknown {engine!r}; expected some of {', '.join(ENGINES)}")
+        numerics, kernels = ENGINES[engine]
+        llm = LLM(args.model, device="cpu", dtype="float32", numerics=numerics, kernels=kernels,
                   max_num_batched_tokens=max(args.chunk, args.batch), max_num_seqs=max(args.batch, 1))  # fmt: skip
         for kind in ("prefill", "decode"):
             row = phase(llm, kind, args, random.Random(args.seed))
-            row["numerics"] = numerics
+            row["numerics"] = engine
             rows.append(row)
         del llm
     print(table(rows, args))

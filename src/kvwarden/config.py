@@ -26,6 +26,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 CHUNKING_RULES: tuple[str, ...] = ("kvwarden", "legacy-align", "legacy-align-fixed")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 CUDA_GRAPH_MODES: tuple[str, ...] = ("auto", "off", "emulate")
+KERNEL_SOURCES: tuple[str, ...] = ("auto", "compiled", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,11 @@ class NumericsConfig:
         scan_chunk: tokens per chunk of the canonical recurrent scan (gated delta
             rule, Mamba2 SSD); the grid is fixed to absolute positions and the
             block size must be a multiple of it.
-        kernels: ``"auto"`` - the Triton kernels on a GPU, PyTorch on the CPU;
+        kernels: ``"auto"`` - the Triton kernels on a GPU; on the CPU the compiled
+            kernels (:mod:`kvwarden.layers.cpu_kernels`, built once per machine)
+            for canonical numerics, or PyTorch with a logged reason when they
+            cannot be built; ``"compiled"`` - the CPU's compiled kernels or an
+            error saying why not; ``"torch"`` - the CPU's PyTorch kernels;
             ``"triton"`` - the Triton kernels on the CPU too, which needs Triton's
             interpreter (``TRITON_INTERPRET=1``): how CI runs the GPU kernels
             through the whole engine without a GPU.
@@ -88,8 +93,10 @@ class NumericsConfig:
         if self.pointwise_chunk > 32768:
             # torch splits a lone row longer than its parallel grain across threads
             raise ValueError("numerics.pointwise_chunk must be <= 32768 (torch's parallel grain)")
-        if self.kernels not in ("auto", "triton"):
-            raise ValueError(f"numerics.kernels: unknown {self.kernels!r}; expected 'auto' or 'triton'")
+        if self.kernels not in KERNEL_SOURCES:
+            raise ValueError(f"numerics.kernels: unknown {self.kernels!r}; expected one of {KERNEL_SOURCES}")
+        if self.kernels == "compiled" and self.mode != "canonical":
+            raise ValueError("numerics.kernels: 'compiled' is canonical numerics' CPU backend, not shape-dependent's")
         if self.recurrent_scan not in ("chunked", "token"):
             raise ValueError(f"numerics.recurrent_scan: unknown {self.recurrent_scan!r}; expected 'chunked' or 'token'")
 

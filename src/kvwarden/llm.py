@@ -50,8 +50,12 @@ class LLM:
         gpu_memory_utilization: on a GPU, the share of its memory the engine may
             use; the KV pool gets what weights and activations leave (vLLM's knob).
             ``num_blocks`` overrides it; on the CPU ``kv_cache_memory`` applies.
-        kernels: ``"auto"``, or ``"triton"`` to run the GPU kernels on the CPU
-            under Triton's interpreter (``TRITON_INTERPRET=1``; slow, for tests).
+        kernels: ``"auto"`` (Triton on a GPU; on the CPU the compiled kernels,
+            built once per machine, or PyTorch's with a logged reason when they
+            cannot be built), ``"compiled"`` (the CPU's compiled kernels or a
+            ``ValueError`` saying why not), ``"torch"`` (the CPU's PyTorch
+            kernels), or ``"triton"`` to run the GPU kernels on the CPU under
+            Triton's interpreter (``TRITON_INTERPRET=1``; slow, for tests).
         host_cache_bytes: the host tier (0 = off): blocks evicted from the device
             pool are written back to this much host memory (pinned on a GPU) and
             loaded back layer by layer on a prefix hit, with the same logits.

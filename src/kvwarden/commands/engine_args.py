@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvwarden.config import CHUNKING_RULES, DEVICES, DTYPES, NUMERICS_MODES
+from kvwarden.config import CHUNKING_RULES, DEVICES, DTYPES, KERNEL_SOURCES, NUMERICS_MODES
 
 
 def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
@@ -58,6 +58,15 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         help="canonical numerics on a GPU, recurrent layers (gated DeltaNet, Mamba2): token - token by token "
         "(default, cheaper decode); chunked - chunks of 16 on the absolute position grid on tensor cores (faster "
         "prefill of long prompts; --block-size a multiple of 16). Both invariant",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=KERNEL_SOURCES,
+        default="auto",
+        help="canonical numerics' kernels: auto - Triton on a GPU, on the CPU the compiled kernels (built once "
+        "per machine; PyTorch's, with a logged reason, when they cannot be built); compiled - the CPU's compiled "
+        "kernels or an error; torch - the CPU's PyTorch kernels; triton - the GPU kernels on the CPU "
+        "(needs TRITON_INTERPRET=1, tests only)",
     )
     p.add_argument(
         "--numerics",
@@ -153,6 +162,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "unsafe_indexer_load": args.unsafe_indexer_load,
         "unsafe_topk": args.unsafe_topk,
         "recurrent_scan": args.recurrent_scan,
+        "kernels": args.kernels,
         "enforce_eager": args.enforce_eager,
         "context_parallel_size": args.context_parallel_size,
         "context_parallel_min_tokens": args.context_parallel_min_tokens,

@@ -32,7 +32,8 @@ def load_llm(args: argparse.Namespace, console: Console, who: str) -> LLM:
     params = engine.loaded.num_parameters
     console.print(
         f"{who}: loaded {cfg.architecture} ({params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} layers) "
-        f"in {time.perf_counter() - start:.1f} s; KV pool {engine.num_blocks} blocks of {args.block_size} tokens",
+        f"in {time.perf_counter() - start:.1f} s; KV pool {engine.num_blocks} blocks of {args.block_size} tokens; "
+        f"{engine.ops.kernels} kernels",
         highlight=False,
     )
     if is_random_builtin(args.model):

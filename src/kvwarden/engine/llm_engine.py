@@ -38,6 +38,7 @@ from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.engine.structured.grammars import Grammars
 from kvwarden.engine.structured.state import GrammarFailure
 from kvwarden.layers.backends import make_ops
+from kvwarden.layers.cpu_ops import CompiledCpuOps
 from kvwarden.models.loader import LoadedModel, load
 from kvwarden.models.sources import resolve_model
 
@@ -54,7 +55,9 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.ops = make_ops(config.numerics, self.device)
-        self.row_math = row_math_for(self.device if config.numerics.kernels == "auto" else "cuda")
+        # the sampler's log-softmax from the same kernels as the model's (the compiled CPU ones where they run)
+        compiled = self.ops.compiled if isinstance(self.ops, CompiledCpuOps) else None
+        self.row_math = row_math_for("cuda" if config.numerics.kernels == "triton" else self.device, compiled)
         self.loaded: LoadedModel = load(resolve_model(config.model), config.dtype, self.ops, config.max_model_len)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import isfinite as math_isfinite
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvwarden.engine.request import TopLogprobs
 from kvwarden.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvwarden.layers.cpu_kernels.library import CpuKernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -95,10 +99,28 @@ class TritonRowMath(RowMath):
         return self.rows.cumsum(row)
 
 
-def row_math_for(device: str) -> RowMath:
-    """The sampler's row reductions for a device (``"cpu"``: PyTorch; ``"cuda"``: Triton, which on a
-    CPU means Triton's interpreter)."""
-    return TritonRowMath() if device == "cuda" else RowMath()
+class CompiledRowMath(RowMath):
+    """The log-softmax of the compiled CPU kernels (``layers/cpu_kernels``): every row of a step in one call,
+    each reduced alone in one fixed order, so a row's bits are those of the one-row call."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+
+    def log_softmax(self, row: torch.Tensor) -> torch.Tensor:
+        return self.log_softmax_rows(row)
+
+    def log_softmax_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dtype != torch.float32 or rows.device.type != "cpu":
+            return super().log_softmax_rows(rows)
+        return self.kernels.log_softmax(rows if rows.stride(-1) == 1 else rows.contiguous())
+
+
+def row_math_for(device: str, kernels: CpuKernels | None = None) -> RowMath:
+    """The sampler's row reductions for a device (``"cpu"``: PyTorch, or the compiled kernels when the
+    engine computes with them; ``"cuda"``: Triton, which on a CPU means Triton's interpreter)."""
+    if device == "cuda":
+        return TritonRowMath()
+    return CompiledRowMath(kernels) if kernels is not None else RowMath()
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -36,6 +36,7 @@ class CudaOps(Ops):
     """
 
     name = "shape-dependent"
+    kernels = "cuda"
     batched_recurrent = True
     device_moe = True
 
@@ -132,6 +133,7 @@ class TritonOps(CudaOps):
     """Canonical numerics on CUDA: the Triton kernels of :mod:`kvwarden.layers.kernels`."""
 
     name = "canonical"
+    kernels = "triton"
 
     def __init__(self, config: NumericsConfig, device: torch.device) -> None:
         super().__init__(config, device)

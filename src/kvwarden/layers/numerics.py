@@ -61,6 +61,9 @@ class Ops:
     """
 
     name = "shape-dependent"
+    # Which kernels compute (/metrics' scheduler_config_info and the serve log say it): "torch" (PyTorch's CPU
+    # kernels), "compiled" (layers/cpu_kernels), "triton" (layers/kernels), "cuda" (cuBLAS, PyTorch's attention).
+    kernels = "torch"
     # How recurrent layers scan: "vendor" (grid from the chunk's start, state only at chunk ends),
     # "chunked" (kvwarden's absolute 16-row grid, CPU), "recurrent" (token by token, GPU) or "grid" (the GPU's
     # chunked scans on the absolute grid with rings of pending rows, numerics.recurrent_scan="chunked").

@@ -173,6 +173,7 @@ def _config_info(engine: LLMEngine) -> dict[str, tuple[str, dict[str, str]]]:
                 "num_speculative_tokens": str(config.speculative.num_speculative_tokens if config.speculative else 0),
                 "speculative_method": config.speculative.method if config.speculative else "",
                 "numerics": config.numerics.mode,
+                "kernels": engine.ops.kernels,
             },
         ),
     }
