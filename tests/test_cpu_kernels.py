@@ -19,7 +19,7 @@ import torch
 from kvwarden import LLM, SamplingParams
 from kvwarden.bench.properties import PROPERTIES, check_properties
 from kvwarden.config import NumericsConfig
-from kvwarden.engine.sampler import CompiledRowMath
+from kvwarden.engine.sampler import CompiledRowMath, RowMath
 from kvwarden.layers.attention import SeqAttn
 from kvwarden.layers.backends import make_ops
 from kvwarden.layers.cpu_kernels.build import BuildError, build
@@ -140,6 +140,31 @@ def test_rope_and_kv_write_agree_with_torch(ops: CompiledCpuOps, head_dim: int, 
     assert torch.equal(one, got_q[3:4])
 
 
+def test_seeded_draws_are_the_samplers_race(kernels: CpuKernels) -> None:
+    """The compiled temperature-only draw: a row's token is the same alone, in a batch and on any thread
+    count; it is the PyTorch path's token (the same counter noise over probabilities equal to rounding); and
+    its frequencies follow the distribution."""
+    g = _gen(11)
+    math = CompiledRowMath(kernels)
+    logits = torch.randn(64, 2048, generator=g) * 3
+    temps = [0.3 + 0.05 * i for i in range(64)]
+    seeds, positions = list(range(64)), [1000 + 7 * i for i in range(64)]
+    batch = math.draw_rows(logits, temps, seeds, positions)
+    assert batch is not None
+    for i in range(64):
+        params = SamplingParams(temperature=temps[i], seed=seeds[i])
+        assert math.draw(logits[i], params, seeds[i], positions[i]) == batch[i]
+        assert RowMath().draw(logits[i], params, seeds[i], positions[i]) == batch[i]
+    with torch_threads(3):
+        assert math.draw_rows(logits, temps, seeds, positions) == batch
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    row = torch.log(probs)
+    draws = math.draw_rows(row.expand(4000, 5), [1.0] * 4000, [7] * 4000, list(range(4000)))
+    assert draws is not None
+    counts = torch.bincount(torch.tensor(draws), minlength=5).double() / 4000
+    assert counts[4] == 0 and torch.allclose(counts, probs.double(), atol=0.03), counts
+
+
 def _attend(
     ops: CompiledCpuOps,
     q: torch.Tensor,
@@ -147,13 +172,14 @@ def _attend(
     pieces: list[tuple[int, int]],
     slots: torch.Tensor,
 ) -> torch.Tensor:
-    """One step over the requests ``(start_pos, num_queries)`` of one shared context (rows in order)."""
+    """One step over the requests ``(start_pos, num_queries)`` of one shared context (rows in order); the
+    context's scattered slots are a block table of one-slot blocks."""
     seqs, row = [], 0
     for start, n in pieces:
         seqs.append(SeqAttn(row_start=row, num_queries=n, start_pos=start, slots=slots))
         row += n
-    plan = ops.attention_plan(seqs, row, [], 0)
-    return ops.attention(q, kv, plan, 0.125, 16)
+    plan = ops.attention_plan(seqs, row, [slots.tolist()] * len(seqs), 0, 1)
+    return ops.attention(q, kv, plan, 0.125, 1)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 64), (3, 1, 40), (2, 2, 128)])
@@ -202,10 +228,11 @@ def test_the_engine_serves_canonical_cpu_numerics_on_the_compiled_kernels(llama_
     assert outs["auto"].token_ids == outs["torch"].token_ids
     for a, b in zip(outs["auto"].sampled_logprobs, outs["torch"].sampled_logprobs, strict=True):
         assert abs(a - b) < 1e-4
-    make = partial(LLM, str(llama_tiny), kernels="torch", block_size=8, max_num_batched_tokens=64, num_blocks=256)
-    report = check_properties(make, prompt, params, 8, partners)
-    assert set(report.outcomes) == set(PROPERTIES)
-    assert report.all_identical, report.failures()
+    for source in ("auto", "torch"):
+        make = partial(LLM, str(llama_tiny), kernels=source, block_size=8, max_num_batched_tokens=64, num_blocks=256)
+        report = check_properties(make, prompt, params, 8, partners)
+        assert set(report.outcomes) == set(PROPERTIES)
+        assert report.all_identical, (source, report.failures())
 
 
 def test_a_failed_build_falls_back_with_its_reason(

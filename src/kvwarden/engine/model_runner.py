@@ -114,6 +114,7 @@ class ModelRunner:
         self.states = states
         self.tracer: TraceSink | None = None  # set by tools that trace activations
         self.block_size = block_size
+        self._block_offsets = torch.arange(block_size)
         self.numerics = numerics
         self.ops = model.ops
         self.device = model.ops.device
@@ -248,17 +249,22 @@ class ModelRunner:
         slot_list: list[torch.Tensor] = []
         seqs: list[SeqAttn] = []
         slices: list[SeqSlice] = []
-        block_ids: list[list[int]] = []
+        block_ids: list[list[int]] = [e.block_ids for e in entries]
+        table = self._slots([b for blocks in block_ids for b in blocks])  # every request's slots, in one op
+        first = 0
         for e in entries:
             row0, end = len(ids), e.start + len(e.token_ids)
+            if len(e.block_ids) * self.block_size < end:
+                raise IndexError(f"{len(e.block_ids)} blocks hold fewer than {end} positions")
             ids.extend(e.token_ids)
             positions.extend(range(e.start, end))
-            block_ids.append(e.block_ids)
-            slots = self._slots(e.block_ids, end)
+            slots = table[first : first + end]  # a view: positions 0 .. end of this request
+            first += len(e.block_ids) * self.block_size
             slot_list.append(slots[e.start : end])
             seqs.append(SeqAttn(row0, len(e.token_ids), e.start, slots))
             slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
-        plan = self.ops.attention_plan(seqs, len(ids), block_ids, self.null_slot if null_slot is None else null_slot)
+        null = self.null_slot if null_slot is None else null_slot
+        plan = self.ops.attention_plan(seqs, len(ids), block_ids, null, self.block_size)
         dev = self.device
         recurrent = None
         if with_states and self.states is not None and self.ops.batched_recurrent:
@@ -281,8 +287,10 @@ class ModelRunner:
             recurrent=recurrent,
         )
 
-    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """Flat cache slot of every position ``[0, num_tokens)``."""
+    def _slots(self, block_ids: list[int], num_tokens: int | None = None) -> torch.Tensor:
+        """Flat cache slot of every position ``[0, num_tokens)`` (None: every slot of the blocks)."""
+        if num_tokens is not None and len(block_ids) * self.block_size < num_tokens:
+            raise IndexError(f"{len(block_ids)} blocks hold fewer than {num_tokens} positions")
         blocks = torch.tensor(block_ids, dtype=torch.long)
-        pos = torch.arange(num_tokens)
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        slots = (blocks[:, None] * self.block_size + self._block_offsets).view(-1)  # three small ops, no division
+        return slots if num_tokens is None else slots[:num_tokens]

@@ -76,6 +76,18 @@ class RowMath:
     def cumsum(self, row: torch.Tensor) -> torch.Tensor:
         return torch.cumsum(row, dim=-1)
 
+    def draw(self, row: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+        """The seeded draw for one row of logits ``[vocab]`` (temperature, top-k, top-p)."""
+        return draw_from(sampling_probs(row, params, self), seed, position)
+
+    def draw_rows(
+        self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]
+    ) -> list[int] | None:
+        """Temperature-only seeded draws for rows of ``[R, vocab]`` at once, each the token :meth:`draw` gives
+        its row alone; None where this backend draws row by row (PyTorch on the CPU: an element's SIMD body
+        and scalar tail may differ, so a batch could change a row's bits)."""
+        return None
+
 
 class TritonRowMath(RowMath):
     """The same reductions as the canonical Triton row kernels (one program per row, fixed order)."""
@@ -98,6 +110,13 @@ class TritonRowMath(RowMath):
     def cumsum(self, row: torch.Tensor) -> torch.Tensor:
         return self.rows.cumsum(row)
 
+    def draw_rows(
+        self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]
+    ) -> list[int] | None:
+        # a GPU's element-wise kernels compute each element alike wherever it sits; the interpreter on the CPU
+        # runs PyTorch's CPU kernels (see RowMath.draw_rows), so it keeps the one-row path
+        return draw_rows(logits, temperatures, seeds, positions, self) if logits.is_cuda else None
+
 
 class CompiledRowMath(RowMath):
     """The log-softmax of the compiled CPU kernels (``layers/cpu_kernels``): every row of a step in one call,
@@ -113,6 +132,20 @@ class CompiledRowMath(RowMath):
         if rows.dtype != torch.float32 or rows.device.type != "cpu":
             return super().log_softmax_rows(rows)
         return self.kernels.log_softmax(rows if rows.stride(-1) == 1 else rows.contiguous())
+
+    def draw(self, row: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+        # NOTE(invariance): which kernel draws is a function of the request's own parameters, never of the step
+        if not batchable(params) or row.dtype != torch.float32:
+            return super().draw(row, params, seed, position)
+        return self.kernels.draw(row.view(1, -1), [params.temperature], [draw_key(seed, position)])[0]
+
+    def draw_rows(
+        self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]
+    ) -> list[int] | None:
+        if logits.dtype != torch.float32:
+            return None
+        keys = [draw_key(seed, pos) for seed, pos in zip(seeds, positions, strict=True)]
+        return self.kernels.draw(logits if logits.stride(-1) == 1 else logits.contiguous(), temperatures, keys)
 
 
 def row_math_for(device: str, kernels: CpuKernels | None = None) -> RowMath:
@@ -247,7 +280,7 @@ def prompt_logprob_rows(
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, math: RowMath) -> int:
-    return draw_from(sampling_probs(logits, params, math), seed, position)
+    return math.draw(logits, params, seed, position)
 
 
 def batchable(params: SamplingParams) -> bool:
@@ -268,7 +301,7 @@ def draw_rows(
     """
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
     probs = math.softmax(logits / temps)
-    keys = [_splitmix(_splitmix(seed & _MASK64) ^ (pos & _MASK64)) for seed, pos in zip(seeds, positions, strict=True)]
+    keys = [draw_key(seed, pos) for seed, pos in zip(seeds, positions, strict=True)]
     key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=logits.device)[:, None]
     noise = _noise_from_keys(key, logits.shape[1], logits.device)
     ratio = probs.double() / noise
@@ -312,10 +345,15 @@ def uniform(seed: int, position: int, stream: int) -> float:
     return float(torch.exp(-exponential_noise(seed, position ^ (stream << 56), 1, "cpu"))[0])  # E = -log(u)
 
 
+def draw_key(seed: int, position: int) -> int:
+    """The 64-bit counter key of the draw for ``position`` under ``seed`` (each id's noise hashes it)."""
+    return _splitmix(_splitmix(seed & _MASK64) ^ (position & _MASK64))
+
+
 def exponential_noise(seed: int, position: int, n: int, device: torch.device | str) -> torch.Tensor:
     """``-log(u)`` for ``u`` uniform in (0, 1), one per token id, a pure function of (seed, position, id)."""
-    key = _splitmix(_splitmix(seed & _MASK64) ^ (position & _MASK64))
-    return _noise_from_keys(torch.tensor(_signed(key), dtype=torch.int64, device=device), n, device)
+    key = torch.tensor(_signed(draw_key(seed, position)), dtype=torch.int64, device=device)
+    return _noise_from_keys(key, n, device)
 
 
 def _noise_from_keys(key: torch.Tensor, n: int, device: torch.device | str) -> torch.Tensor:

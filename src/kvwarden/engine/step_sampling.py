@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvwarden.engine.model_runner import StepLogits
-from kvwarden.engine.sampler import RowMath, RowTops, batchable, draw_rows, prompt_logprob_rows, step_tops
+from kvwarden.engine.sampler import RowMath, RowTops, batchable, prompt_logprob_rows, step_tops
 from kvwarden.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -27,20 +27,20 @@ def row_tops(completed: list[ScheduledChunk], step: StepLogits, math: RowMath) -
     else:
         logits = step.logits[torch.tensor(rows, dtype=torch.long, device=step.logits.device)]
     tops = step_tops(logits, k, math)
-    # Seeded rows drawn together too - on a GPU only (see draw_rows); row j of a request is its
-    # position num_tokens + j, the key plain decoding uses.
+    # Seeded rows drawn together too, where the backend draws a batch as it draws each row alone
+    # (RowMath.draw_rows); row j of a request is its position num_tokens + j, the key plain decoding uses.
     seeded = [i for i, (_, req, _) in enumerate(owners) if batchable(req.params)]
-    if seeded and logits.device.type == "cuda":
+    if seeded:
         params = [(owners[i][1], owners[i][2]) for i in seeded]
-        tokens = draw_rows(
+        tokens = math.draw_rows(
             logits[seeded],
             [req.params.temperature for req, _ in params],
             [req.seed for req, _ in params],
             [req.num_tokens + j for req, j in params],
-            math,
         )
-        for i, token in zip(seeded, tokens, strict=True):
-            tops[i] = RowTops(tops[i].logprobs, tops[i].top, token)
+        if tokens is not None:
+            for i, token in zip(seeded, tokens, strict=True):
+                tops[i] = RowTops(tops[i].logprobs, tops[i].top, token)
     return dict(zip(rows, tops, strict=True))
 
 

@@ -32,7 +32,12 @@ F32 = torch.float32
 
 
 def _f32(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.dtype == F32 and t.device.type == "cpu") for t in tensors)
+    """Whether every tensor given is float32 (a CPU engine's tensors are all on the CPU; the library checks
+    the device again before any pointer reaches C). A loop, not a generator: this runs ~40 times a step."""
+    for t in tensors:  # noqa: SIM110 (all() over a generator costs a frame per call)
+        if t is not None and t.dtype is not F32:
+            return False
+    return True
 
 
 def _matrix(x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,9 @@ class CompiledCpuOps(CanonicalOps):
         self.in_place_attention: bool | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not _f32(x, weight, bias) or weight.stride(1) != 1:
+        if x.dtype is not F32 or weight.dtype is not F32 or (bias is not None and bias.dtype is not F32):
+            return super().linear(x, weight, bias)  # (another dtype: the parent's tiles; a CPU engine's tensors)
+        if weight.stride(1) != 1:
             return super().linear(x, weight, bias)
         return self.compiled.linear(_matrix(x), weight, bias.contiguous() if bias is not None else None)
 
@@ -116,11 +123,12 @@ class CompiledCpuOps(CanonicalOps):
         return self.compiled.rope_write_kv(q, k, v, positions, slots, tables, norms, kv)
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
     ) -> AttentionPlan:
         if not self.in_place_attention:
-            return super().attention_plan(seqs, num_rows, block_ids, null_slot)
-        meta = CpuAttentionMeta.build([(s.row_start, s.num_queries, s.start_pos, s.slots) for s in seqs], num_rows)
+            return super().attention_plan(seqs, num_rows, block_ids, null_slot, block_size)
+        shares = [(s.row_start, s.num_queries, s.start_pos) for s in seqs]
+        meta = CpuAttentionMeta.build(shares, block_ids, block_size, num_rows)
         return AttentionPlan(seqs=tuple(seqs), num_rows=num_rows, meta=meta)
 
     def attention(

@@ -87,7 +87,7 @@ class CudaOps(Ops):
         kv[1].index_copy_(0, slots, v.to(kv[1].dtype))
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
     ) -> AttentionPlan:
         # Slots go to the device once per step; decode requests (one query each) are batched into one
         # padded attention call per layer, the way vendor engines batch decode.
@@ -239,7 +239,7 @@ class TritonOps(CudaOps):
 
     # ------------------------------------------------------------------- attention
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
     ) -> AttentionPlan:
         meta = self.k_attention.AttentionMeta.build(
             [(s.row_start, s.start_pos, s.num_queries, b) for s, b in zip(seqs, block_ids, strict=True)], self.device

@@ -198,9 +198,11 @@ class Ops:
         v_cache.index_copy_(0, slots, torch.cat([v, ones], -1).to(v_cache.dtype))
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
     ) -> AttentionPlan:
-        """Everything the attention layers need for one step, built once per step."""
+        """Everything the attention layers need for one step, built once per step: each request's share
+        (``seqs``, with its slot table), its block table (``block_ids``, positions ``block_size`` to a block),
+        the all-zero slot that padded reads use."""
         return AttentionPlan(seqs=tuple(seqs), num_rows=num_rows)
 
     def attention(
@@ -226,7 +228,7 @@ class CanonicalOps(Ops):
         return canonical_attention(q, kv[0], kv[1], plan, scale, self.exp, self.config.key_tile)
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int
+        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
     ) -> AttentionPlan:
         return build_tile_plan(seqs, num_rows, self.config.key_tile, null_slot)
 

@@ -17,6 +17,7 @@ from kvwarden.layers.cpu_kernels.build import BuildError, build
 
 log = logging.getLogger(__name__)
 
+F32 = torch.float32
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 _INT = ctypes.c_int
@@ -56,42 +57,36 @@ class CpuKernels:
 
     lib: ctypes.CDLL
     rows_per_block: int
-    _packed: dict[tuple[int, int, int, int], PackedWeight] = field(default_factory=dict, repr=False)
+    # keyed by the weight's id: its PackedWeight holds the weight, so the id cannot be reused while cached
+    _packed: dict[int, PackedWeight] = field(default_factory=dict, repr=False)
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """The weight's panels, packed on first use and kept (weights do not change in an engine's life)."""
-        key = (weight.data_ptr(), *weight.shape, weight.stride(0))
-        got = self._packed.get(key)
+        got = self._packed.get(id(weight))
         if got is None or got.source is not weight:
             _rows("weight", weight)
             n, k = weight.shape
             panels = torch.empty(((n + 15) // 16) * k * 16, dtype=torch.float32)
             self.lib.kvw_pack_weight(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), _threads())
-            got = self._packed[key] = PackedWeight(weight, panels, n, k)
+            got = self._packed[id(weight)] = PackedWeight(weight, panels, n, k)
         return got
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``: each output row's bits depend on its input row and the weight only."""
-        _rows("x", x)
         w = self.pack(weight)
-        if x.shape[1] != w.k:
+        # NOTE: the checks the C side relies on, in one expression (this runs ~20 times a step)
+        if x.dtype is not F32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != w.k:
+            _rows("x", x)
             raise ValueError(f"x: {x.shape[1]} columns, the weight takes {w.k}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.numel() != w.n or not bias.is_contiguous()):
+        if bias is not None and (bias.dtype is not F32 or bias.numel() != w.n or not bias.is_contiguous()):
             raise ValueError(f"bias: expected {w.n} contiguous float32 values")
-        y = torch.empty((x.shape[0], w.n), dtype=torch.float32)
-        if x.shape[0]:
+        m = x.shape[0]
+        y = torch.empty(m, w.n)
+        if m:
             self.lib.kvw_gemm(
-                x.data_ptr(),
-                x.shape[0],
-                w.k,
-                x.stride(0),
-                w.panels.data_ptr(),
-                w.n,
-                y.data_ptr(),
-                w.n,
-                _ptr(bias),
-                _threads(),
-            )
+                x.data_ptr(), m, w.k, x.stride(0), w.panels.data_ptr(), w.n, y.data_ptr(), w.n,
+                None if bias is None else bias.data_ptr(), _threads(),
+            )  # fmt: skip
         return y
 
     def rms_norm(
@@ -106,6 +101,8 @@ class CpuKernels:
         h = None
         if residual is not None:
             _rows("residual", residual)
+            if residual.shape != x.shape:
+                raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")
             h = torch.empty((rows, n), dtype=torch.float32)
         lib_r = residual.stride(0) if residual is not None else 0
         self.lib.kvw_rms_norm(
@@ -131,6 +128,24 @@ class CpuKernels:
         if rows and n:
             self.lib.kvw_log_softmax(x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), _threads())
         return out
+
+    def draw(self, x: torch.Tensor, temperatures: list[float], keys: list[int]) -> list[int]:
+        """Seeded temperature-only draws, one per row of ``x``: ``keys`` are the rows' 64-bit counter keys
+        (``sampler.draw_key``); each row's token depends on its own logits, temperature and key only."""
+        _rows("x", x)
+        rows, n = x.shape
+        if len(temperatures) != rows or len(keys) != rows:
+            raise ValueError(f"temperatures, keys: expected {rows} each, got {len(temperatures)} and {len(keys)}")
+        temps = torch.tensor(temperatures, dtype=torch.float32)
+        key_arr = (ctypes.c_uint64 * rows)(*keys)
+        scratch = torch.empty((rows, n), dtype=torch.float32)
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows and n:
+            self.lib.kvw_draw(
+                x.data_ptr(), x.stride(0), rows, n, temps.data_ptr(), key_arr, scratch.data_ptr(), out.data_ptr(),
+                _threads(),
+            )  # fmt: skip
+        return out.tolist()
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` row by row (``gate`` and ``up`` may be column slices of one matrix)."""
@@ -196,45 +211,57 @@ class CpuKernels:
             raise ValueError("kv: expected contiguous float32 caches")
         if rows != meta.num_rows:
             raise ValueError(f"attention plan built for {meta.num_rows} rows, called with {rows}")
+        if hq % hkv or v_cache.shape[:2] != k_cache.shape[:2] or v_cache.shape[2] != d or k_cache.shape[2] != d:
+            raise ValueError(f"q: {hq} heads of {d} do not fit caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        if (meta.max_block + 1) * meta.block_size > k_cache.shape[0]:
+            raise ValueError(f"block {meta.max_block} is past the cache's {k_cache.shape[0]} slots")
         out = torch.empty_like(q)
+        seqs, table = meta.num_seqs, meta.table.data_ptr()
+        row0, nq, start, block_off = (table + 8 * seqs * i for i in range(4))  # the rows of the int64 table
         self.lib.kvw_attention(
             q.data_ptr(), hq, d, k_cache.data_ptr(), hkv * d, v_cache.data_ptr(), v_cache.stride(0),
-            v_cache.stride(1), hkv, meta.num_seqs, meta.row0.data_ptr(), meta.nq.data_ptr(),
-            meta.start.data_ptr(), meta.slots.data_ptr(), meta.slot_off.data_ptr(), scale, out.data_ptr(), _threads(),
+            v_cache.stride(1), hkv, seqs, row0, nq, start, meta.blocks.data_ptr(), block_off, meta.block_size,
+            scale, out.data_ptr(), _threads(),
         )  # fmt: skip
         return out
 
 
 @dataclass(frozen=True)
 class CpuAttentionMeta:
-    """One step's requests for :meth:`CpuKernels.attention` (int64 host tensors, built once per step): each
-    request's first row, query count and first position, and its slot table for positions ``0 ..`` at
-    ``slots[slot_off[s]:]``."""
+    """One step's requests for :meth:`CpuKernels.attention`, built once per step: ``table`` (int64
+    ``[4, num_seqs]``) holds each request's first row, query count, first position and where its block table
+    starts in ``blocks`` (every request's block table, one after another)."""
 
-    row0: torch.Tensor
-    nq: torch.Tensor
-    start: torch.Tensor
-    slots: torch.Tensor
-    slot_off: torch.Tensor
+    table: torch.Tensor
+    blocks: torch.Tensor
+    block_size: int
     num_seqs: int
     num_rows: int
+    max_block: int  # checked against the cache before the kernel reads through the tables
 
     @classmethod
-    def build(cls, seqs: list[tuple[int, int, int, torch.Tensor]], num_rows: int) -> CpuAttentionMeta:
-        """From ``(row_start, num_queries, start_pos, slots)`` per request (slots of every position so far)."""
-        lens = [start + n for _, n, start, _ in seqs]
-        offsets = [0]
-        for n in lens[:-1]:
-            offsets.append(offsets[-1] + n)
-        tables = [s[:n].to(torch.int64) for (_, _, _, s), n in zip(seqs, lens, strict=True)]
+    def build(
+        cls, shares: list[tuple[int, int, int]], block_ids: list[list[int]], block_size: int, num_rows: int
+    ) -> CpuAttentionMeta:
+        """From ``(row_start, num_queries, start_pos)`` and the block table of every request.
+
+        Raises:
+            ValueError: a block table too short for the positions its request reads.
+        """
+        offsets, flat = [], []
+        for (_, n, start), blocks in zip(shares, block_ids, strict=True):
+            if len(blocks) * block_size < start + n:
+                raise ValueError(f"block table of {len(blocks)} blocks: fewer than {start + n} positions")
+            offsets.append(len(flat))
+            flat.extend(blocks)
+        rows = [[r for r, _, _ in shares], [n for _, n, _ in shares], [s for _, _, s in shares], offsets]
         return cls(
-            row0=torch.tensor([r for r, _, _, _ in seqs], dtype=torch.int64),
-            nq=torch.tensor([n for _, n, _, _ in seqs], dtype=torch.int64),
-            start=torch.tensor([s for _, _, s, _ in seqs], dtype=torch.int64),
-            slots=torch.cat(tables).contiguous() if tables else torch.empty(0, dtype=torch.int64),
-            slot_off=torch.tensor(offsets, dtype=torch.int64),
-            num_seqs=len(seqs),
+            table=torch.tensor(rows, dtype=torch.int64).reshape(4, len(shares)),
+            blocks=torch.tensor(flat, dtype=torch.int64),
+            block_size=block_size,
+            num_seqs=len(shares),
             num_rows=num_rows,
+            max_block=max(flat, default=-1),
         )
 
 
@@ -248,30 +275,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvw_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, f32, _P, _P, _INT]
     lib.kvw_silu_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _P, _INT]
     lib.kvw_log_softmax.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
+    lib.kvw_draw.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _INT]
     lib.kvw_rope_write_kv.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64]
     lib.kvw_rope_write_kv.argtypes += [_P, _P, _P, _P, _I64, _P, _P, f32, _P, _I64, _P, _I64, _I64, _P, _INT]
-    lib.kvw_attention.argtypes = [
-        _P,
-        _I64,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        f32,
-        _P,
-        _INT,
-    ]
-    for fn in (lib.kvw_rms_norm, lib.kvw_silu_mul, lib.kvw_log_softmax, lib.kvw_rope_write_kv, lib.kvw_attention):
+    # q, hq, d, k, k_stride, v, v_stride, v_head, hkv, nseq, row0, nq, start, blocks, block_off, block_size,
+    # scale, out, threads
+    lib.kvw_attention.argtypes = [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64]
+    lib.kvw_attention.argtypes += [f32, _P, _INT]
+    for fn in (lib.kvw_rms_norm, lib.kvw_silu_mul, lib.kvw_log_softmax, lib.kvw_draw, lib.kvw_rope_write_kv):
         fn.restype = None
+    lib.kvw_attention.restype = None
 
 
 def load() -> CpuKernels:

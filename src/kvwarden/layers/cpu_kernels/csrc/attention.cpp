@@ -6,7 +6,7 @@
 //   m   = max_j s_j                                  (exact, order-free)
 //   e_j = expf_det(s_j - m); l = sum8_j e_j          (the sum in a fixed 8-lane order by key position j)
 //   o   = (fma chain over j = 0..p of e_j * V_j) / l (ascending key position, per output element)
-// Keys are addressed by absolute position through the request's slot table, starting at 0, so a row's
+// Keys are addressed by absolute position through the request's block table, starting at 0, so a row's
 // arithmetic does not depend on the chunk it arrived in, its batch partners, how query rows are blocked
 // (a block of rows only shares loads), the thread that runs it, or the instruction set.
 // Decode equals prefill bit for bit. A block's rows are scored against the keys of its last row (padded to
@@ -115,7 +115,7 @@ void pv(int64_t nrows, const float* e, int64_t lde, const int64_t* lens, const f
 
 struct Scratch {  // one thread's buffers, grown as needed and kept between work items
   std::vector<float> qrows, kt, scores, o;
-  std::vector<int64_t> lens;
+  std::vector<int64_t> lens, slots;
   std::vector<float> sums;
 };
 
@@ -210,11 +210,12 @@ void item(const Args& a, const int64_t* slots, int64_t row0, int64_t start, int6
 extern "C" {
 
 // q: [rows, hq, d] contiguous; out: the same shape. Request s has nq[s] query rows from row row0[s], at
-// positions start[s] ..; slots + slot_off[s] is its slot table for positions 0 .. start[s] + nq[s] - 1.
+// positions start[s] ..; blocks + block_off[s] is its block table (position p in slot
+// blocks[p / block_size] * block_size + p % block_size), long enough for start[s] + nq[s] positions.
 void kvw_attention(const float* q, int64_t hq, int64_t d, const float* k, int64_t k_stride, const float* v,
                    int64_t v_stride, int64_t v_head, int64_t hkv, int64_t nseq, const int64_t* row0,
-                   const int64_t* nq, const int64_t* start, const int64_t* slots, const int64_t* slot_off, float scale,
-                   float* out, int threads) {
+                   const int64_t* nq, const int64_t* start, const int64_t* blocks, const int64_t* block_off,
+                   int64_t block_size, float scale, float* out, int threads) {
   const Args a{q, hq, d, k, k_stride, v, v_stride, v_head, hkv, scale, out};
   std::vector<int64_t> first(nseq + 1, 0);  // work items: (request, query block, kv head)
   const int64_t qb = std::max<int64_t>(1, BLOCK_ROWS / (hq / hkv));  // query positions per item
@@ -229,7 +230,12 @@ void kvw_attention(const float* q, int64_t hq, int64_t d, const float* k, int64_
       const int64_t local = it - first[s];
       const int64_t blk = local / hkv, g = local % hkv;
       const int64_t i0 = blk * qb, i1 = std::min(nq[s], i0 + qb);
-      item(a, slots + slot_off[s], row0[s], start[s], i0, i1, g, buf);
+      const int64_t n = start[s] + i1;  // the slot of every key the item reads, from the block table
+      buf.slots.resize(n);
+      const int64_t* table = blocks + block_off[s];
+      for (int64_t b = 0, p = 0; p < n; ++b)
+        for (int64_t o = 0; o < block_size && p < n; ++o, ++p) buf.slots[p] = table[b] * block_size + o;
+      item(a, buf.slots.data(), row0[s], start[s], i0, i1, g, buf);
     }
   }
 }

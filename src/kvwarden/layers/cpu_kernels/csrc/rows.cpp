@@ -6,6 +6,7 @@
 // step element by element with IEEE basic operations (compiled with -ffp-contract=off, see common.h) and
 // expf_det - so neither the number of rows, an element's place in a row, the thread that takes a row nor
 // the instruction set changes a bit. Rows are split between threads, never a row.
+#include <cmath>
 #include <cstdint>
 
 #include "common.h"
@@ -117,6 +118,39 @@ void kvw_log_softmax(const float* x, int64_t ldx, int64_t rows, int64_t n, float
     for (int64_t j = 0; j < n; ++j) m = std::max(m, src[j]);
     const float lse = kvw::logf_det(kvw::softmax_numerator(dst, n, 1.0f));  // s[j] * 1 is exact
     for (int64_t j = 0; j < n; ++j) dst[j] = (src[j] - m) - lse;
+  }
+}
+
+// Seeded temperature-only draws, one per row (the sampler's counter-based exponential race; engine/sampler.py
+// has the same draw in PyTorch). Row r: p = softmax(x / temps[r]) (a rounded division, then the log-softmax's
+// max, expf_det and fixed-order sum, and a rounded division by the sum); for every id j, 53 bits of
+// SplitMix64(j * golden + keys[r]) give u in (0, 1) and E_j = -log(u) in double; the token is the lowest id
+// with the largest p_j / E_j. Integer hashing is exact and each row is computed alone, so a row's token
+// depends on its logits, temperature and key only. scratch: rows * n floats.
+void kvw_draw(const float* x, int64_t ldx, int64_t rows, int64_t n, const float* temps, const uint64_t* keys,
+              float* scratch, int64_t* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * ldx;
+    float* p = scratch + r * n;
+    const float t = temps[r];
+    for (int64_t j = 0; j < n; ++j) p[j] = src[j] / t;
+    const float sum = kvw::softmax_numerator(p, n, 1.0f);  // p[j] * 1 is exact
+    int64_t best = 0;
+    double best_ratio = -1.0;
+    for (int64_t j = 0; j < n; ++j) {
+      uint64_t z = static_cast<uint64_t>(j) * 0x9E3779B97F4A7C15ULL + keys[r];
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+      z ^= z >> 31;
+      const double u = (static_cast<double>(z >> 11) + 0.5) * 0x1p-53;
+      const double ratio = static_cast<double>(p[j] / sum) / -std::log(u);
+      if (ratio > best_ratio) {  // strictly larger: among equal ratios the lowest id stays
+        best_ratio = ratio;
+        best = j;
+      }
+    }
+    out[r] = best;
   }
 }
 
