@@ -58,15 +58,31 @@ def test_gemm_row_is_its_own_whatever_the_rows_and_threads(kernels: CpuKernels, 
     bias = torch.randn(n, generator=g)
     x = torch.randn(41, k, generator=g)
     alone = torch.cat([kernels.linear(x[i : i + 1], w, bias) for i in range(x.shape[0])])
+    # the weight's panels kept (the default budget) or packed per call (none kept): the same bits
+    unkept = CpuKernels(kernels.lib, kernels.rows_per_block, pack_budget=0)
     for rows in (1, 2, 5, 6, 7, 13, 41):
         for threads in (1, 2, 3):
             with torch_threads(threads):
                 got = kernels.linear(x[:rows], w, bias)
+                assert torch.equal(unkept.linear(x[:rows], w, bias), got), f"{rows} rows packed per call"
             assert torch.equal(got, alone[:rows]), f"{rows} rows on {threads} threads"
+    assert unkept.packed_bytes == 0
     # a row of a strided view (a column slice of a fused projection's output) reads the same values
     wide = torch.cat([x, torch.randn(41, 5, generator=g)], 1)[:, :k]
     assert torch.equal(kernels.linear(wide, w, bias), alone)
     torch.testing.assert_close(alone, x @ w.T + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_stay_within_their_budget(kernels: CpuKernels) -> None:
+    """Panels are kept for the first weights that fit the budget, whole; later ones are packed per call."""
+    g = _gen(5)
+    small = CpuKernels(kernels.lib, kernels.rows_per_block, pack_budget=4 * 64 * 32)
+    first, second, x = torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g), torch.randn(3, 32)
+    small.linear(x, first)
+    small.linear(x, second)
+    assert small.packed_bytes == 4 * 64 * 32  # the second did not fit what the first left
+    assert small.pack(first).panels is not None and small.pack(second).panels is None
+    assert torch.equal(small.linear(x, second), kernels.linear(x, second))
 
 
 def test_gemm_refuses_layouts_it_cannot_read(kernels: CpuKernels) -> None:

@@ -40,36 +40,54 @@ def _rows(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a float32 CPU matrix with contiguous rows, got {t.dtype} {tuple(t.shape)}")
 
 
+# Bytes of packed weight panels an engine keeps (the first weights used, whole); the others are packed per
+# call into a thread's buffer. The bits are the same either way: this trades memory for decode speed only.
+PACK_BUDGET = 1 << 30
+
+
 @dataclass
 class PackedWeight:
-    """A ``[n, k]`` weight in the GEMM's 16-column panels (``kvw_pack_weight``), and its source tensor (kept
-    alive so that its address cannot be reused by another weight while the packing is cached)."""
+    """A ``[n, k]`` weight's record: its 16-column panels (``kvw_pack_weight``) when they are kept, else
+    None (packed per call), and its source tensor (kept alive so that its id cannot be reused by another
+    weight while the record is cached)."""
 
     source: torch.Tensor
-    panels: torch.Tensor
+    panels: torch.Tensor | None
     n: int
     k: int
 
 
 @dataclass
 class CpuKernels:
-    """The loaded library (:func:`load`)."""
+    """The loaded library (:func:`load`); ``pack_budget``: bytes of packed weights kept (see PACK_BUDGET)."""
 
     lib: ctypes.CDLL
     rows_per_block: int
+    pack_budget: int = PACK_BUDGET
     # keyed by the weight's id: its PackedWeight holds the weight, so the id cannot be reused while cached
     _packed: dict[int, PackedWeight] = field(default_factory=dict, repr=False)
+    _packed_bytes: int = 0
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
-        """The weight's panels, packed on first use and kept (weights do not change in an engine's life)."""
+        """The weight's record, made on first use: its panels packed and kept while the budget allows
+        (weights do not change in an engine's life)."""
         got = self._packed.get(id(weight))
         if got is None or got.source is not weight:
             _rows("weight", weight)
             n, k = weight.shape
-            panels = torch.empty(((n + 15) // 16) * k * 16, dtype=torch.float32)
-            self.lib.kvw_pack_weight(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), _threads())
+            size = ((n + 15) // 16) * k * 16
+            panels = None
+            if self._packed_bytes + 4 * size <= self.pack_budget:
+                panels = torch.empty(size, dtype=torch.float32)
+                self.lib.kvw_pack_weight(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), _threads())
+                self._packed_bytes += 4 * size
             got = self._packed[id(weight)] = PackedWeight(weight, panels, n, k)
         return got
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of packed weight panels kept."""
+        return self._packed_bytes
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)``: each output row's bits depend on its input row and the weight only."""
@@ -83,8 +101,10 @@ class CpuKernels:
         m = x.shape[0]
         y = torch.empty(m, w.n)
         if m:
+            src = w.source
             self.lib.kvw_gemm(
-                x.data_ptr(), m, w.k, x.stride(0), w.panels.data_ptr(), w.n, y.data_ptr(), w.n,
+                x.data_ptr(), m, w.k, x.stride(0), src.data_ptr(), w.n, src.stride(0),
+                None if w.panels is None else w.panels.data_ptr(), y.data_ptr(), w.n,
                 None if bias is None else bias.data_ptr(), _threads(),
             )  # fmt: skip
         return y
@@ -269,7 +289,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvw_gemm_rows_per_block.restype = ctypes.c_int
     lib.kvw_pack_weight.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
     lib.kvw_pack_weight.restype = None
-    lib.kvw_gemm.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _INT]
+    # x, m, k, ldx, w, n, ldw, packed, y, ldy, bias, threads
+    lib.kvw_gemm.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _INT]
     lib.kvw_gemm.restype = None
     f32 = ctypes.c_float
     lib.kvw_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, f32, _P, _P, _INT]

@@ -119,49 +119,14 @@ struct Scratch {  // one thread's buffers, grown as needed and kept between work
   std::vector<float> sums;
 };
 
-#ifdef KVW_AVX2
-// The 8 x 8 block r[t][c] -> r[c][t] (pure data movement: no arithmetic, so no bit can change).
-inline void transpose8(__m256* r) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3
-    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-#endif
-
 // K^T of keys [0, n) for kv head g in panels of 16 keys, as microkernel.h reads them: panel p holds
 // kt[p][c][j] = K_{16p + j}[c], zeros past n (read by no row: each row stops at its own keys).
 void pack_keys(const Args& a, const int64_t* slots, int64_t n, int64_t g, float* kt) {
-  const int64_t d = a.d, width = (n + kvw::NR - 1) / kvw::NR * kvw::NR;
-  int64_t c0 = 0;
-#ifdef KVW_AVX2
-  const __m256 zero = _mm256_setzero_ps();
-  for (; c0 + 8 <= d; c0 += 8) {
-    for (int64_t j0 = 0; j0 < width; j0 += 8) {  // keys j0 .. j0 + 7, dimensions c0 .. c0 + 7
-      __m256 r[8];
-      for (int t = 0; t < 8; ++t)
-        r[t] = j0 + t < n ? _mm256_loadu_ps(a.k + slots[j0 + t] * a.k_stride + g * d + c0) : zero;
-      transpose8(r);
-      float* dst = kt + (j0 / kvw::NR) * d * kvw::NR + j0 % kvw::NR;
-      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(dst + (c0 + c) * kvw::NR, r[c]);
-    }
-  }
-#endif
-  for (int64_t j = 0; j < width; ++j) {  // the remaining dimensions one by one
-    float* dst = kt + (j / kvw::NR) * d * kvw::NR + j % kvw::NR;
-    const float* src = j < n ? a.k + slots[j] * a.k_stride + g * d : nullptr;
-    for (int64_t c = c0; c < d; ++c) dst[c * kvw::NR] = src != nullptr ? src[c] : 0.0f;
+  for (int64_t p = 0; p * kvw::NR < n; ++p) {
+    const float* src[kvw::NR];
+    const int rows = static_cast<int>(std::min<int64_t>(kvw::NR, n - p * kvw::NR));
+    for (int j = 0; j < rows; ++j) src[j] = a.k + slots[p * kvw::NR + j] * a.k_stride + g * a.d;
+    kvw::pack_panel(src, rows, a.d, kt + p * a.d * kvw::NR);
   }
 }
 

@@ -9,6 +9,7 @@
 // own column of the panel only. The GEMM (gemm.cpp: panels of a packed weight) and the attention scores
 // (attention.cpp: panels of 16 keys' transposed K) both rely on this.
 #pragma once
+#include "common.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,6 +64,45 @@ inline void block(const float* x, int64_t ldx, const float* panel, int64_t k, fl
   for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, acc[r], sizeof(acc[r]));
 }
 #endif
+
+#ifdef KVW_AVX2
+// The 8 x 8 block r[t][c] -> r[c][t] (pure data movement: no arithmetic, so no bit can change).
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3
+    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
+// One panel as block() reads it (the GEMM's weight panels, attention's transposed keys): panel[kk * 16 + j] = src[j][kk] for kk < k, zeros for rows j >= rows
+// (src[j] is row j's first element). Data movement only: a panel's values are its rows' values.
+inline void pack_panel(const float* const* src, int rows, int64_t k, float* panel) {
+  int64_t kk = 0;
+#ifdef KVW_AVX2
+  const __m256 zero = _mm256_setzero_ps();
+  for (; kk + 8 <= k; kk += 8)
+    for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7, elements kk .. kk + 7
+      __m256 r[8];
+      for (int t = 0; t < 8; ++t) r[t] = 8 * h + t < rows ? _mm256_loadu_ps(src[8 * h + t] + kk) : zero;
+      transpose8(r);
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(panel + (kk + c) * NR + 8 * h, r[c]);
+    }
+#endif
+  for (; kk < k; ++kk)
+    for (int j = 0; j < NR; ++j) panel[kk * NR + j] = j < rows ? src[j][kk] : 0.0f;
+}
 
 // block<R> for any rows <= R (a template per row count, so the accumulators stay in registers).
 template <int R>
