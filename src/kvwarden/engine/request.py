@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvwarden.cache.kv_cache_manager import CacheView
+from kvwarden.engine.detokenizer import IncrementalText
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.spec_stats import SpecStats
 
@@ -78,6 +79,7 @@ class Request(CacheView):
     error_code: str | None = None  # that failure's kind, as the API reports it
     stop_reason: str | int | None = None
     text: str = ""
+    detok: IncrementalText = field(default_factory=IncrementalText)  # how ``text`` grows, a window a step
     capture_logits: bool = False
     final_only: bool = False
     prompt_logits: list[torch.Tensor] = field(default_factory=list)

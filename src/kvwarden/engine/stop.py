@@ -16,7 +16,7 @@ def update_text_and_check_stop(req: Request, tokenizer: Tokenizer, max_model_len
     token = req.output_token_ids[-1]
     n_out = len(req.output_token_ids)
     if params.stop or not req.final_only:  # else decoded once when it finishes (LLMEngine._release)
-        req.text = tokenizer.decode(req.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        req.text = req.detok.update(tokenizer, req.output_token_ids, params.skip_special_tokens)
     if n_out >= params.min_tokens:
         if (not params.ignore_eos and token in tokenizer.eos_token_ids) or token in params.stop_token_ids:
             req.stop_reason = token
