@@ -71,6 +71,7 @@ def test_every_step_equals_a_full_decode(tokenizer: Tokenizer, skip: bool) -> No
 
 def test_real_text_keeps_short_windows(tokenizer: Tokenizer) -> None:
     """The point of it: on real text the decoded window stays a few tokens long (no full decodes)."""
+    assert tokenizer.local_decode
     ids = tokenizer.encode(corpus_text()[:4000], add_special_tokens=False)
     state = IncrementalText()
     longest = 0
@@ -79,6 +80,33 @@ def test_real_text_keeps_short_windows(tokenizer: Tokenizer) -> None:
         longest = max(longest, n - state.prefix_offset)
     assert not state.full
     assert longest <= 8, longest
+
+
+def _byte_fallback() -> Tokenizer:
+    """Llama-2's decoder pipeline over a vocabulary with the 256 byte tokens, as Llama-2 and Mistral ship."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    vocab.update({"\u2581x": 259, "\u2581": 260, "y": 261})
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(backend, None, (2,))
+
+
+def test_byte_fallback_decoders_decode_in_full() -> None:
+    """A run of byte tokens that turns invalid replaces its earlier valid bytes too (a space, here): a
+    window would keep the space. Such tokenizers are not local, and every step is a full decode."""
+    tok = _byte_fallback()
+    assert not tok.local_decode
+    space, bad = 3 + 0x20, 3 + 0x98
+    gen = torch.Generator().manual_seed(1)
+    streams = [[259, space, bad, 259], [259, space, 3 + 0xC3, 3 + 0xA9, 261]]
+    streams += [torch.randint(0, 262, (200,), generator=gen).tolist() for _ in range(3)]
+    for ids in streams:
+        state = IncrementalText()
+        for n in range(1, len(ids) + 1):
+            assert state.update(tok, ids[:n], True) == tok.decode(ids[:n]), (n, ids[:n][-4:])
 
 
 def test_engine_streams_the_final_text(llama_tiny: Path) -> None:

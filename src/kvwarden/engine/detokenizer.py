@@ -9,8 +9,12 @@ back, so a tokenizer that treats a window's first token specially (SentencePiece
 so on both sides of the difference alike.
 
 NOTE: the text is the one a full decode gives, which streams already rely on (``server/formatting.py``
-sends text as a growing prefix). Where a tokenizer's decode is not local (the window's text does not
-start with its prefix's), the request switches to full decodes for good: exact, at the old price.
+sends text as a growing prefix). That needs a decoder whose output is local: byte-level BPE (every
+made checkpoint, GGUF), Metaspace, WordPiece, BPE suffixes, replacements (``Tokenizer.local_decode``).
+Byte-fallback decoders (Llama-2, Mistral and Gemma style ``tokenizer.json``) are not: a run of byte
+tokens that turns invalid replaces its earlier, valid bytes as well, so their requests decode in
+full every step, exact at the old price. A window whose text does not start with its prefix's (a
+decoder that is not local after all) switches its request to full decodes for good.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class IncrementalText:
 
     def update(self, tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
         """The text of ``ids`` (the request's output so far, extended since the last call)."""
-        if self.full:
+        if self.full or not tokenizer.local_decode:
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         skip = skip_special_tokens
         prefix = ""

@@ -185,8 +185,8 @@ def step_tops(logits: torch.Tensor, k: int, math: RowMath) -> list[RowTops]:
     kk = max(k, 1)
     if kk == 1:
         # NOTE: one entry (no logprobs asked for: greedy rows and the NaN check need only the top): argmax
-        # returns the first maximum, the lowest id among ties, as the list below orders them; one launch
-        # and one host read instead of two top-ks, two sorts and a sync for the candidate count.
+        # returns the first maximum, the lowest id among ties, as the list below orders them; argmax and
+        # a gather instead of two top-ks, two sorts, two gathers and a sync for the candidate count.
         ids1 = torch.argmax(logprobs, dim=-1, keepdim=True)
         pairs1 = zip(ids1.view(-1).tolist(), logprobs.gather(-1, ids1).view(-1).tolist(), strict=True)
         return [RowTops(logprobs[i], [pair]) for i, pair in enumerate(pairs1)]

@@ -42,6 +42,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.special_tokens = special_tokens or {}
         self._template: jinja2.Template | None = None
+        self.local_decode = _local_decoder(backend)
 
     @property
     def vocab_size(self) -> int:
@@ -146,6 +147,25 @@ class Tokenizer:
             bool(fields.get("tokenizer.ggml.add_bos_token", False)),
             special,
         )
+
+
+# Decoders whose text for a window of tokens, taken from a character boundary and compared with the same
+# window without its newest tokens, gives what the newest tokens add to the whole decode.
+# ByteFallback is not one: a run of byte tokens that turns invalid replaces its earlier, valid bytes too.
+_LOCAL_DECODERS = frozenset({"ByteLevel", "Metaspace", "WordPiece", "BPEDecoder", "Replace"})
+
+
+def _local_decoder(backend: Backend) -> bool:
+    """Whether incremental detokenization (``engine/detokenizer.py``) is exact for this tokenizer."""
+    if backend.decoder is None:
+        return True  # tokens joined by spaces
+
+    def local(spec: dict[str, Any]) -> bool:
+        if spec.get("type") == "Sequence":
+            return all(local(d) for d in spec.get("decoders", []))
+        return spec.get("type") in _LOCAL_DECODERS
+
+    return local(json.loads(backend.decoder.__getstate__()))
 
 
 def _token_text(value: Any) -> str | None:
