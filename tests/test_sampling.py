@@ -127,8 +127,9 @@ def test_prompt_logprobs_match_full_forward_and_any_chunking(llama_tiny: Path) -
     logits = whole.score(prompt)
     ref = whole.generate([prompt], params)[0]
     assert ref.prompt_logprobs[0] is None and len(ref.prompt_logprobs) == len(prompt)
-    # the engine's own row reduction (the compiled log-softmax on the CPU), bitwise; PyTorch's within rounding
-    lp = whole.engine.row_math.log_softmax_rows(logits)
+    # the engine's own row reduction on its own device (the compiled log-softmax on the CPU, Triton's on a
+    # GPU), bitwise; PyTorch's within rounding
+    lp = whole.engine.row_math.log_softmax_rows(logits.to(whole.engine.ops.device)).cpu()
     torch.testing.assert_close(lp, torch.log_softmax(logits, dim=-1), rtol=1e-6, atol=1e-5)
     for j in range(1, len(prompt)):
         entry = dict(ref.prompt_logprobs[j])
