@@ -11,17 +11,14 @@ Built-in names need no download:
 
 from __future__ import annotations
 
-import os
 import re
 from importlib.util import find_spec
 from pathlib import Path
 
+from kvwarden.home import cache_home
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _BUILTIN = re.compile(r"^builtin:(?P<arch>[a-z0-9_]+)-(?P<preset>[a-z0-9.]+?)(?:-s(?P<seed>\d+))?$")
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("KVWARDEN_HOME") or Path.home() / ".cache" / "kvwarden")
 
 
 def smollm2_path() -> Path:

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kvwarden.models.sources import cache_home
+from kvwarden.home import cache_home
 
 SOURCES = ("gemm.cpp", "attention.cpp", "rows.cpp")
 HEADERS = ("common.h", "microkernel.h")
