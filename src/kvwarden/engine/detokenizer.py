@@ -44,18 +44,18 @@ class IncrementalText:
     read_offset: int = 0
     full: bool = False
 
-    def update(self, tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
-        """The text of ``ids`` (the request's output so far, extended since the last call)."""
+    def update(self, tokenizer: Tokenizer, ids: list[int], skip: bool) -> str:
+        """The text of ``ids`` (the request's output so far, extended since the last call); ``skip``:
+        the request's ``skip_special_tokens``."""
         if self.full or not tokenizer.local_decode:
-            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        skip = skip_special_tokens
+            return tokenizer.decode(ids, skip_special_tokens=skip)
         prefix = ""
         if self.read_offset > self.prefix_offset:
             prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
         window = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=skip)
         if not window.startswith(prefix):
             self.full = True
-            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            return tokenizer.decode(ids, skip_special_tokens=skip)
         tail = window[len(prefix) :]
         if tail and not tail.endswith(REPLACEMENT):
             # Complete characters: commit them and move the window on.

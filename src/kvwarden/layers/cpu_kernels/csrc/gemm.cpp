@@ -18,7 +18,6 @@
 #include <cstring>
 #include <memory>
 
-#include "common.h"
 #include "microkernel.h"
 
 namespace {
@@ -27,6 +26,14 @@ using kvw::MR;
 using kvw::NR;
 
 constexpr int64_t MC = 8 * MR;  // rows of x per work item
+
+// Panel p of W ([n, k] rows, leading dimension ldw): its up to 16 columns' weight rows, transposed.
+void pack_columns(const float* w, int64_t n, int64_t k, int64_t ldw, int64_t p, float* panel) {
+  const float* src[NR];
+  const int rows = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
+  for (int j = 0; j < rows; ++j) src[j] = w + (p * NR + j) * ldw;
+  kvw::pack_panel(src, rows, k, panel);
+}
 
 // Rows [m0, m1) against panel p: register blocks of MR rows (the last one shorter), written through a
 // 16-column staging tile so that a partial last panel and the bias take the same path.
@@ -60,12 +67,7 @@ int kvw_gemm_rows_per_block() { return MR; }
 void kvw_pack_weight(const float* w, int64_t n, int64_t k, int64_t ldw, float* out, int threads) {
   const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(threads) if (panels > 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* src[NR];
-    const int rows = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-    for (int j = 0; j < rows; ++j) src[j] = w + (p * NR + j) * ldw;
-    kvw::pack_panel(src, rows, k, out + p * k * NR);
-  }
+  for (int64_t p = 0; p < panels; ++p) pack_columns(w, n, k, ldw, p, out + p * k * NR);
 }
 
 // y[m, n] (leading dimension ldy) = x[m, k] (ldx) @ W^T (+ bias[n]), W: [n, k] rows (leading dimension ldw);
@@ -84,10 +86,7 @@ void kvw_gemm(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w,
       const int64_t p = it / row_tiles, rt = it % row_tiles;
       const float* panel = packed != nullptr ? packed + p * k * NR : buffer.get();
       if (packed == nullptr && p != held) {
-        const float* src[NR];
-        const int rows = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-        for (int j = 0; j < rows; ++j) src[j] = w + (p * NR + j) * ldw;
-        kvw::pack_panel(src, rows, k, buffer.get());
+        pack_columns(w, n, k, ldw, p, buffer.get());
         held = p;
       }
       panel_rows(x, ldx, rt * MC, std::min(m, rt * MC + MC), panel, k, n, p, y, ldy, bias);

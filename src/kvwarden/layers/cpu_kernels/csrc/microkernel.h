@@ -86,8 +86,9 @@ inline void transpose8(__m256* r) {
 }
 #endif
 
-// One panel as block() reads it (the GEMM's weight panels, attention's transposed keys): panel[kk * 16 + j] = src[j][kk] for kk < k, zeros for rows j >= rows
-// (src[j] is row j's first element). Data movement only: a panel's values are its rows' values.
+// One panel as block() reads it (the GEMM's weight panels, attention's transposed keys):
+// panel[kk * 16 + j] = src[j][kk] for kk < k, zeros for rows j >= rows (src[j] is row j's first element).
+// Data movement only: a panel's values are its rows' values.
 inline void pack_panel(const float* const* src, int rows, int64_t k, float* panel) {
   int64_t kk = 0;
 #ifdef KVW_AVX2
