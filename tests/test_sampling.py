@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvwarden import LLM, SamplingParams
-from kvwarden.engine.sampler import RowMath, draw_from, draw_rows, sampling_probs, step_tops, top_logprobs
+from kvwarden.engine.randomness import draw_from
+from kvwarden.engine.sampler import RowMath, draw_rows, sampling_probs, step_tops, top_logprobs
 from util import exact, random_tokens
 
 

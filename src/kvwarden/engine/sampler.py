@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvwarden.engine.randomness import draw_from, draw_key, noise_from_keys, signed64
 from kvwarden.engine.request import TopLogprobs
 from kvwarden.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvwarden.layers.cpu_kernels.library import CpuKernels
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -309,8 +308,8 @@ def draw_rows(
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
     probs = math.softmax(logits / temps)
     keys = [draw_key(seed, pos) for seed, pos in zip(seeds, positions, strict=True)]
-    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=logits.device)[:, None]
-    noise = _noise_from_keys(key, logits.shape[1], logits.device)
+    key = torch.tensor([signed64(k) for k in keys], dtype=torch.int64, device=logits.device)[:, None]
+    noise = noise_from_keys(key, logits.shape[1], logits.device)
     ratio = probs.double() / noise
     best = ratio == ratio.amax(dim=-1, keepdim=True)
     return best.to(torch.int8).argmax(dim=-1).tolist()  # the first (lowest) id reaching the maximum
@@ -332,65 +331,3 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams, math: RowMath) 
         keep[order[mass_before >= params.top_p]] = False
     scaled = scaled.masked_fill(~keep, float("-inf"))
     return math.softmax(scaled.view(1, -1))[0]
-
-
-def draw_from(probs: torch.Tensor, seed: int, position: int, stream: int = 0) -> int:
-    """One draw from ``probs`` keyed by ``(seed, position, stream)`` alone.
-
-    Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p. The
-    maximum is exact; among equal ratios the lowest id wins. ``stream`` > 0
-    gives independent draws for the same position (rejection sampling's
-    residual); the default stream is the one plain decoding uses.
-    """
-    key = position if stream == 0 else position ^ (stream << 56)
-    ratio = probs.double() / exponential_noise(seed, key, probs.numel(), probs.device)
-    return int(torch.nonzero(ratio == ratio.max())[0, 0])
-
-
-def uniform(seed: int, position: int, stream: int) -> float:
-    """One uniform number in (0, 1) keyed by ``(seed, position, stream)``."""
-    return float(torch.exp(-exponential_noise(seed, position ^ (stream << 56), 1, "cpu"))[0])  # E = -log(u)
-
-
-def draw_key(seed: int, position: int) -> int:
-    """The 64-bit counter key of the draw for ``position`` under ``seed`` (each id's noise hashes it)."""
-    return _splitmix(_splitmix(seed & _MASK64) ^ (position & _MASK64))
-
-
-def exponential_noise(seed: int, position: int, n: int, device: torch.device | str) -> torch.Tensor:
-    """``-log(u)`` for ``u`` uniform in (0, 1), one per token id, a pure function of (seed, position, id)."""
-    key = torch.tensor(_signed(draw_key(seed, position)), dtype=torch.int64, device=device)
-    return _noise_from_keys(key, n, device)
-
-
-def _noise_from_keys(key: torch.Tensor, n: int, device: torch.device | str) -> torch.Tensor:
-    """``-log(u)`` for ids ``0..n-1`` under each key (a 0-d key: ``[n]``; keys ``[R, 1]``: ``[R, n]``)."""
-    ids = torch.arange(n, dtype=torch.int64, device=device)
-    bits = _mix_tensor(ids * _signed(0x9E3779B97F4A7C15) + key)
-    u = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0**-53)  # 53 random bits, never 0 or 1
-    return -torch.log(u)
-
-
-def _signed(value: int) -> int:
-    """A 64-bit pattern as the int64 torch stores it."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _splitmix(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _mix_tensor(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 tensors (wrapping multiplication, logical shifts)."""
-    z = (z ^ _lsr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _lsr(z, 27)) * _signed(0x94D049BB133111EB)
-    return z ^ _lsr(z, 31)
-
-
-def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's ``>>`` on int64 is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)

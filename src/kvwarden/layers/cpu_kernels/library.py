@@ -151,7 +151,7 @@ class CpuKernels:
 
     def draw(self, x: torch.Tensor, temperatures: list[float], keys: list[int]) -> list[int]:
         """Seeded temperature-only draws, one per row of ``x``: ``keys`` are the rows' 64-bit counter keys
-        (``sampler.draw_key``); each row's token depends on its own logits, temperature and key only."""
+        (``randomness.draw_key``); each row's token depends on its own logits, temperature and key only."""
         _rows("x", x)
         rows, n = x.shape
         if len(temperatures) != rows or len(keys) != rows:
