@@ -120,7 +120,11 @@ def main() -> None:
     p.add_argument("--skip-rows", action="store_true", help="offline throughput (and --profile) only")
     p.add_argument("--skip-transformers", action="store_true", help="offline rows of kvwarden only")
     p.add_argument("--skip-dense-rows", action="store_true", help="decode and TTFT rows of the hybrid only")
-    p.add_argument("--row-engines", default="canonical,fast,canonical-eager", help="engines of the decode/TTFT rows")
+    p.add_argument(
+        "--row-engines",
+        default="canonical,fast,canonical-eager,canonical-serial",
+        help="engines of the decode/TTFT rows (canonical-serial: async scheduling off)",
+    )
     p.add_argument("--online", action="store_true", help="kvwarden serve at concurrency 1, 16, 64, both engines")
     p.add_argument("--shared-prefix", action="store_true", help="offline: shared system prompts against unshared")
     p.add_argument("--profile", action="store_true", help="print a kernel table of one prefill + 8 decode steps")
@@ -207,7 +211,7 @@ def offline(args: argparse.Namespace, parts: Parts, hybrids: list[str], weights:
     console.print(f"  offline bandwidth floor {floor:9.0f} tok/s")
     result["offline"] = {"rows": [], "floor_tok_s": floor}
     result["offline_hybrid"] = []
-    for engine in ("canonical", "fast"):
+    for engine in ("canonical", "fast", "canonical-serial"):
         row = parts.run("offline", args.model, engine)
         if row is not None:
             share = row["output_tok_s"] / floor
@@ -230,7 +234,7 @@ def rows(args: argparse.Namespace, parts: Parts, model: str, roofline: float) ->
     if model != args.model:  # the hybrids' own sizes (--hybrid-batches, --hybrid-prompts)
         args.batches_text, args.prompts_text = args.hybrid_batches, args.hybrid_prompts
     for engine in [e for e in NUMERICS if e in args.row_engines.split(",")]:
-        if engine == "canonical-eager" and model != args.model:
+        if engine in ("canonical-eager", "canonical-serial") and model != args.model:
             continue  # the hybrids' eager rows are left out to keep the run inside one device call
         got = parts.run("decode", model, engine)
         for r in got["rows"] if got else []:
@@ -240,8 +244,8 @@ def rows(args: argparse.Namespace, parts: Parts, model: str, roofline: float) ->
             console.print(f"  decode {engine:10s} b{r['batch']:<4d} {r['decode_tok_s']:9.1f} tok/s ({graphs})")
             result["decode"].append(r)
         parts.save()
-        if engine == "canonical-eager":
-            continue  # graphs only change decode steps
+        if engine in ("canonical-eager", "canonical-serial"):
+            continue  # graphs and async scheduling only change decode steps
         got = parts.run("ttft", model, engine)
         for r in got["rows"] if got else []:
             console.print(
@@ -259,6 +263,7 @@ def summary_table(result: dict[str, Any]) -> str:
     if off:
         ref = f"floor {result['offline']['floor_tok_s']:.0f}"
         ref += f"; transformers {off['transformers']:.0f}" if "transformers" in off else ""
+        ref += f"; serial {off['canonical-serial']:.0f}" if "canonical-serial" in off else ""
         lines.append(_row("offline tok/s", off.get("canonical"), off.get("fast"), ref))
     hybrids: dict[str, dict[str, float]] = {}
     for r in result.get("offline_hybrid", []):
@@ -271,7 +276,7 @@ def summary_table(result: dict[str, Any]) -> str:
         dec.setdefault((r["model"], r["batch"]), {})[r["engine"]] = r["decode_tok_s"]
     dense = result["decode"][0]["model"] if result["decode"] else ""
     for (model, batch), e in dec.items():
-        ref = f"eager {e['canonical-eager']:.0f}" if "canonical-eager" in e else ""
+        ref = "; ".join(f"{k.split('-')[1]} {e[k]:.0f}" for k in ("canonical-eager", "canonical-serial") if k in e)
         base = dec.get((dense, batch), {}).get("canonical")
         if model != dense and base and "canonical" in e:
             ref += ("; " if ref else "") + f"{e['canonical'] / base:.2f}x dense"

@@ -32,6 +32,7 @@ NUMERICS = {
     "fast": "shape-dependent",
     "canonical-eager": "canonical",
     "canonical-chunked": "canonical",
+    "canonical-serial": "canonical",  # async scheduling off: the next step waits for this step's tokens
 }
 
 
@@ -147,6 +148,7 @@ def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
     from kvwarden import LLM
 
     kw.setdefault("enforce_eager", args.engine == "canonical-eager")
+    kw.setdefault("async_scheduling", args.engine != "canonical-serial")
     if args.engine == "canonical-chunked":
         kw.setdefault("recurrent_scan", "chunked")
     kw.setdefault("block_size", block_size_for(model))
@@ -343,7 +345,8 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
             block_size=block_size_for(args.model),
         )
         r = run_transformers(args.model, reqs, ns.hf_batch, ns) if args.engine == "transformers" else None
-        r = r or run_kvwarden(args.model, reqs, numerics, ns)
+        name = "canonical-serial" if args.engine == "canonical-serial" else numerics  # offline.ENGINES' key
+        r = r or run_kvwarden(args.model, reqs, name, ns)
         return {"engine": args.engine, "output_tok_s": r.output_tok_s, "seconds": r.seconds}
     if args.part == "decode":
         return {"rows": decode_rows(args.model, args, vocab, [args.engine])}

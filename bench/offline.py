@@ -61,6 +61,7 @@ ENGINES = {
     "canonical": ("canonical", "auto"),
     "canonical-torch": ("canonical", "torch"),
     "shape-dependent": ("shape-dependent", "auto"),
+    "canonical-serial": ("canonical", "auto"),  # without async scheduling (engine/overlap.py): its A/B
 }
 
 
@@ -78,6 +79,7 @@ def run_kvwarden(model: str, reqs: list[tuple[list[int], int]], engine: str, arg
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=getattr(args, "block_size", 16),
+        async_scheduling=engine != "canonical-serial",
     )
     params = [SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True) for i, (_, n) in enumerate(reqs)]
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=2))  # warm-up

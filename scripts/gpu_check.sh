@@ -11,6 +11,7 @@
 #   scripts/gpu_check.sh full speed                   # the whole table (dense + both hybrids), one bench/gpu.py run
 #                                                     # (SPEED_ARGS replaces its flags; parts past the deadline skip)
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
+#   scripts/gpu_check.sh full overlap                 # async scheduling vs serial steps: a decode step's wall time
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
 #   scripts/gpu_check.sh full serving                 # kvwarden serve at concurrency 1/16/64; shared-prefix offline
@@ -25,7 +26,7 @@
 #   scripts/gpu_check.sh full dsa                     # sparse attention (GLM-5, DeepSeek-V3.2): kernels, agreement,
 #                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, serving, profile, pd,
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, serving, overlap, profile, pd,
 # fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
@@ -187,6 +188,17 @@ if [ "$MODE" = full ] && want serving; then  # #29: the server under load; prefi
   speed gpu_serving --skip-offline --skip-rows --hybrid none ${SERVING_ARGS:---online --shared-prefix}
   record "online c1/c16/c64 tok/s canonical|fast" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['concurrency'], r['engine'][:4], round(r['output_tok_s']), round(r['tpot_ms_mean'] or 0, 2)) for r in d.get('online', [])])" 2>&1 | tail -n 1)"
   record "shared vs unshared prompts, output tok/s (cached share)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['engine'][:4], r['workload'], round(r['output_tok_s']), round(r['cached_share'], 2)) for r in d.get('shared', [])])" 2>&1 | tail -n 1)"
+fi
+if [ "$MODE" = full ] && want overlap; then  # #29: async scheduling against serial steps, alternating on one card
+  stage "async scheduling A/B: a steady decode step's wall time, serial vs overlapped (bench/host_profile.py)"
+  for ROUND in ${OVERLAP_ROUNDS:-1 2}; do
+    for KIND in serial async; do
+      timeout 150 python3 bench/host_profile.py --steps 64 --top 12 ${OVERLAP_BATCHES:---batch 1 --batch 64 --batch 256} \
+        $([ $KIND = serial ] && echo --serial) 2>&1 | tee "$OUT/overlap-$KIND-$ROUND.log" | grep '^batch'
+      tail -n 1 "$OUT/overlap-$KIND-$ROUND.log" > "$OUT/overlap-$KIND-$ROUND.json"
+      record "overlap $KIND round $ROUND: step ms|kernels ms" "$(python3 -c "import json; d=json.load(open('$OUT/overlap-$KIND-$ROUND.json')); print([(r['batch'], round(r['step_s'] * 1e3, 2), round(r['gpu_busy_s'] * 1e3, 2)) for r in d['rows']])" 2>&1 | tail -n 1)"
+    done
+  done
 fi
 if [ "$MODE" = full ] && want profile; then
   stage "where time goes: one prefill chunk and one decode step, kernel groups beside their ceilings"

@@ -161,11 +161,15 @@ class SchedulerConfig:
             much as the budget allows; the legacy rules re-create vLLM's
             hybrid align-mode scheduling (see ``docs/architecture.md``); their
             pull-back of one block follows from speculative decoding being on.
+        async_scheduling: launch the next decode step before the host reads this
+            step's tokens, where the step replays a CUDA graph and its tokens are
+            chosen on the device (``engine/overlap.py``); the same numbers either way.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 32
     chunking: ChunkingRule = "kvwarden"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

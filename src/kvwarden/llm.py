@@ -71,6 +71,9 @@ class LLM:
             decode steps from CUDA graphs (same logits, less host time).
         cuda_graphs: ``"auto"`` / ``"off"`` / ``"emulate"`` (tests; see
             ``EngineConfig``); ``enforce_eager=True`` means ``"off"``.
+        async_scheduling: launch the next decode step before the host reads
+            this one's tokens (graph-replayed steps whose tokens are chosen on
+            the device; see ``engine/overlap.py``); the same logits either way.
         context_parallel_size: processes of this host a long step's rows are
             split across (workers started here, stopped by :meth:`close`; CPU
             only so far); with canonical numerics the logits are bitwise those
@@ -112,6 +115,7 @@ class LLM:
         recurrent_scan: str = "token",
         enforce_eager: bool = False,
         cuda_graphs: str = "auto",
+        async_scheduling: bool = True,
         context_parallel_size: int = 1,
         context_parallel_min_tokens: int = 256,
         layer_split: bool = False,
@@ -138,6 +142,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 chunking=chunking,  # type: ignore[arg-type]
+                async_scheduling=async_scheduling,
             ),
             numerics=NumericsConfig(
                 mode=numerics,  # type: ignore[arg-type]

@@ -129,6 +129,13 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         action="store_true",
         help="GPU only: run decode steps eagerly instead of replaying CUDA graphs (same logits, slower)",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GPU decode graphs: launch the next decode step before reading this step's tokens, so the host's "
+        "per-request work overlaps the GPU (same logits); --no-async-scheduling runs steps one after another",
+    )
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -164,6 +171,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "recurrent_scan": args.recurrent_scan,
         "kernels": args.kernels,
         "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
         "context_parallel_size": args.context_parallel_size,
         "context_parallel_min_tokens": args.context_parallel_min_tokens,
         "layer_split": args.layer_split,

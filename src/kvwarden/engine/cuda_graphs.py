@@ -184,13 +184,15 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= n)
 
     # ------------------------------------------------------------------ run
-    def run(self, chunks: list[ScheduledChunk], tables: BlockTables) -> GraphStep:
-        """Replay (or, uncaptured, run) the step of ``chunks``; ``q`` rows per request."""
-        q = self.width(chunks)
+    def run(self, chunks: list[ScheduledChunk], tables: BlockTables, next_ids: torch.Tensor | None = None) -> GraphStep:
+        """Replay (or, uncaptured, run) the step of ``chunks``; ``q`` rows per request. ``next_ids``: a
+        decode step launched ahead (``engine/overlap.py``): each chunk's one token is on the device only, and
+        its request does not hold it yet."""
+        q = self.width(chunks) if next_ids is None else 1
         assert q is not None, "run() needs a step that fits"
         n = len(chunks)
         size = self.size_for(n)
-        self.buffers.stage(chunks, tables, size, q)
+        self.buffers.stage(chunks, tables, size, q, next_ids)
         for i in range(len(self.kv)):
             self.kv[i]  # pending host-tier copies become stream dependencies before the replay
         captured = self.graphs.get((size, q))

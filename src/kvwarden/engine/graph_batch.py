@@ -96,9 +96,17 @@ class GraphBatch:
         if self.states is not None:
             self.ints[3, :size] = self.states.scratch_slot
 
-    def stage(self, chunks: list[ScheduledChunk], tables: BlockTables, size: int, q: int) -> None:
+    def stage(
+        self,
+        chunks: list[ScheduledChunk],
+        tables: BlockTables,
+        size: int,
+        q: int,
+        next_ids: torch.Tensor | None = None,
+    ) -> None:
         """Write the step's requests (``q`` rows each: the chunk's tokens - a decode token, or a prompt's last
-        chunk - then its drafts, then padding up to ``q``)."""
+        chunk - then its drafts, then padding up to ``q``). ``next_ids``: a step launched ahead (``q = 1``),
+        whose tokens the previous step sampled and only the device holds yet: one per chunk, in order."""
         bs, bq, pad = self.block_size, self.block_q, size - len(chunks)
         ids: list[int] = []
         pos: list[int] = []
@@ -111,9 +119,12 @@ class GraphBatch:
             p, req = c.start, c.request
             blocks = tables.block_ids(req.request_id)
             real = c.num_tokens + c.num_spec
-            ids.extend(req.all_token_ids[p : c.end])
-            ids.extend(req.spec_token_ids[: c.num_spec])
-            ids.extend([0] * (q - real))
+            if next_ids is None:
+                ids.extend(req.all_token_ids[p : c.end])
+                ids.extend(req.spec_token_ids[: c.num_spec])
+                ids.extend([0] * (q - real))
+            else:
+                ids.append(0)  # written on the device below
             last_real = p + real - 1
             for j in range(p, p + q):
                 # padding rows: the last real row's position (a request near max_model_len would otherwise
@@ -140,13 +151,28 @@ class GraphBatch:
         )
         width = max(len(b) for b in rows)
         table = torch.tensor([b + [0] * (width - len(b)) for b in rows], dtype=torch.int32)
-        self.longs[:, : size * q].copy_(torch.tensor([ids, pos, slots], dtype=torch.long), non_blocking=True)
-        self.ints[:, : size + 1].copy_(ints, non_blocking=True)
-        self.tables[: len(chunks), :width].copy_(table, non_blocking=True)
+        self.longs[:, : size * q].copy_(self._pinned([ids, pos, slots], torch.long), non_blocking=True)
+        if next_ids is not None:
+            assert q == 1 and next_ids.shape == (len(chunks),)
+            self.longs[0, : len(chunks)].copy_(next_ids)  # queued after the sampling that chose them
+        self.ints[:, : size + 1].copy_(self._pin(ints), non_blocking=True)
+        self.tables[: len(chunks), :width].copy_(self._pin(table), non_blocking=True)
         if q > 1:
             tile_seq += [size] * (2 * pad)
             tile_pos += [0] * (2 * pad)
-            self.tiles[:, : 2 * size].copy_(torch.tensor([tile_seq, tile_pos], dtype=torch.int32), non_blocking=True)
+            self.tiles[:, : 2 * size].copy_(self._pinned([tile_seq, tile_pos], torch.int32), non_blocking=True)
+
+    def _pinned(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return self._pin(torch.tensor(rows, dtype=dtype))
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor the copy to a GPU reads without blocking the host.
+
+        NOTE: a copy from pageable memory may wait for the stream to drain, which would stall the staging
+        of a step launched ahead (``engine/overlap.py``) until the step before it ends; pinned blocks come
+        from PyTorch's caching host allocator, which keeps each one until the copy that reads it is done.
+        """
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     # ------------------------------------------------------------------ the batch a graph reads
     def forward_batch(self, size: int, q: int) -> ForwardBatch:

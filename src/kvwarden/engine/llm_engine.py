@@ -24,16 +24,17 @@ from kvwarden.engine.context_parallel.layer_split import owned_layers
 from kvwarden.engine.memory import check_scan_chunk, context_limit, num_cache_blocks
 from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.overlap import AheadStep, Overlap, why_not_overlapped
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
 from kvwarden.engine.remote_kv import RemoteKV
 from kvwarden.engine.request import Request, Status
 from kvwarden.engine.sampler import NonFiniteLogits, RowTops, row_math_for
 from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.engine.scheduler import ScheduledChunk, Scheduler
+from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvwarden.engine.spec.speculator import Speculator
 from kvwarden.engine.spec.verify import verify
 from kvwarden.engine.spec_stats import SpecStats
-from kvwarden.engine.step_sampling import record_prompt_scores, row_tops
+from kvwarden.engine.step_sampling import launch_tops, record_prompt_scores
 from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.engine.structured.grammars import Grammars
 from kvwarden.engine.structured.state import GrammarFailure
@@ -116,6 +117,14 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if self.spec is not None:  # a draft model's engine is one of ours: the factory is this class
             self.speculator = Speculator(self.spec, self, LLMEngine)
+        self.overlap: Overlap | None = None  # the next decode step launched before this one's tokens are read
+        why = why_not_overlapped(self.runner, self.spec is not None, self.host is not None)
+        if config.scheduler.async_scheduling and why is None:
+            assert isinstance(self.kv, KVCacheManager)
+            self.overlap = Overlap(self.scheduler, self.kv, self.runner, self.max_model_len)
+        elif config.scheduler.async_scheduling and self.runner.graphs is not None:
+            log.info("decode steps are not overlapped with the host: %s", why)
+        self._ahead: AheadStep | None = None
         self.requests: dict[str, Request] = {}
         self.remote = RemoteKV(self.scheduler, self.kv, self.states, self.requests, cache.block_size)
         # Testing only (``kvwarden serve --inject-fault``): breaks invariance on purpose when set.
@@ -216,6 +225,12 @@ class LLMEngine:
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests that progressed or finished."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (live := ahead.live()):  # launched by the last call: its outputs now
+            assert self.overlap is not None
+            self.overlap.dropped_rows += len(ahead.chunks) - len(live)
+            self.last_scheduled = [(c.request.request_id, c.start, c.end) for c in live]
+            return self._after_forward(SchedulerOutput(live), ahead.logits, [])
         sched = self.scheduler.schedule()
         self.last_scheduled = [(c.request.request_id, c.start, c.end) for c in sched.chunks]
         outputs = [self._finish(req, "length") for req in sched.out_of_memory]
@@ -230,11 +245,20 @@ class LLMEngine:
         finally:
             if self.host is not None:
                 self.host.end_step()  # no copy outlives its step: blocks may change hands after this
+        return self._after_forward(sched, step_logits, outputs)
+
+    def _after_forward(
+        self, sched: SchedulerOutput, step_logits: StepLogits, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """Sample and apply stop conditions for a step the device ran (or is running)."""
         self.num_steps += 1
         completed = self.scheduler.update(sched)
         record_prompt_scores(sched, step_logits, self.row_math)
         # faults rewrite rows per request: those steps sample row by row
-        tops = row_tops(completed, step_logits, self.row_math) if self.faults is None else None
+        pending = launch_tops(completed, step_logits, self.row_math) if self.faults is None else None
+        if pending is not None and self.overlap is not None:
+            self._ahead = self.overlap.launch(sched, completed, pending)  # before the host reads this step
+        tops = pending.collect() if pending is not None else None
         ready = []
         for chunk in completed:
             if self.faults is not None:
@@ -246,6 +270,8 @@ class LLMEngine:
                 ready.append(chunk.request)
         if self.speculator is not None:
             self.speculator.propose(sched, step_logits, ready)
+        if self._ahead is not None and not self._ahead.live():
+            self._ahead = None  # every request of it ended with this step
         return outputs
 
     def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput | None:
@@ -361,6 +387,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "evictions": self.pool.evictions,
             "steps": self.num_steps,
+            "steps_launched_ahead": self.overlap.launched if self.overlap is not None else 0,
+            "ahead_rows_dropped": self.overlap.dropped_rows if self.overlap is not None else 0,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
             "spec_num_drafts": spec.num_drafts,

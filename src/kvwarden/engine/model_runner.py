@@ -22,7 +22,7 @@ from kvwarden.cache.paged_kv import PagedKV
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import NumericsConfig
 from kvwarden.engine.cuda_graphs import DecodeGraphs, graph_capable
-from kvwarden.engine.scheduler import SchedulerOutput
+from kvwarden.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvwarden.engine.verified_states import VerifiedStates
 from kvwarden.layers.attention import SeqAttn
 from kvwarden.layers.recurrent_plan import RecurrentMeta
@@ -163,17 +163,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheView) -> StepLogits:
         if self.graphs is not None and self.will_replay(out):
-            got = self.graphs.run(out.chunks, kv)
-            if self.parallel is not None:
-                self.parallel.sync(self._step_entries(out, kv))
-            q = got.q
-            first = {c.request.request_id: i * q for i, c in enumerate(out.chunks)}
-            # a request samples its real rows only: its last token's (a prompt chunk's last), then its drafts'
-            sample = {
-                c.request.request_id: list(range(i * q + c.num_tokens - 1, i * q + c.num_tokens + c.num_spec))
-                for i, c in enumerate(out.chunks)
-            }
-            return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified, q)
+            return self._replay(out.chunks, kv)
         entries = self._step_entries(out, kv)
         sample_rows: dict[str, list[int]] = {}
         hidden_rows: dict[str, int] = {}
@@ -213,6 +203,29 @@ class ModelRunner:
         else:
             logits = torch.empty((0, 0), device=self.device)
         return StepLogits(logits, sample_rows, prompt_rows, hidden, hidden_rows)
+
+    @torch.inference_mode()
+    def execute_ahead(self, chunks: list[ScheduledChunk], kv: KVCacheView, next_ids: torch.Tensor) -> StepLogits:
+        """A decode step launched before the host holds its tokens (``engine/overlap.py``): ``next_ids`` are
+        the chunks' tokens, on the device; the step replays a decode graph like any other."""
+        assert self.graphs is not None and self.parallel is None
+        return self._replay(chunks, kv, next_ids)
+
+    def _replay(
+        self, chunks: list[ScheduledChunk], kv: KVCacheView, next_ids: torch.Tensor | None = None
+    ) -> StepLogits:
+        assert self.graphs is not None
+        got = self.graphs.run(chunks, kv, next_ids)
+        if self.parallel is not None:
+            self.parallel.sync(self._step_entries(SchedulerOutput(chunks), kv))
+        q = got.q
+        first = {c.request.request_id: i * q for i, c in enumerate(chunks)}
+        # a request samples its real rows only: its last token's (a prompt chunk's last), then its drafts'
+        sample = {
+            c.request.request_id: list(range(i * q + c.num_tokens - 1, i * q + c.num_tokens + c.num_spec))
+            for i, c in enumerate(chunks)
+        }
+        return StepLogits(got.logits, sample, {}, got.hidden, first, got.verified, q)
 
     @staticmethod
     def _step_entries(out: SchedulerOutput, kv: KVCacheView) -> list[BatchEntry]:

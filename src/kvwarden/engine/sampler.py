@@ -54,6 +54,7 @@ class RowTops:
     logprobs: torch.Tensor
     top: TopLogprobs
     token: int | None = None
+    token_logprob: float | None = None  # the drawn token's logprob, read with the rest (no read of its own)
 
 
 class RowMath:
@@ -85,6 +86,13 @@ class RowMath:
         """Temperature-only seeded draws for rows of ``[R, vocab]`` at once, each the token :meth:`draw` gives
         its row alone; None where this backend draws row by row (PyTorch on the CPU: an element's SIMD body
         and scalar tail may differ, so a batch could change a row's bits)."""
+        ids = self.draw_ids(logits, temperatures, seeds, positions)
+        return None if ids is None else ids.tolist()
+
+    def draw_ids(
+        self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]
+    ) -> torch.Tensor | None:
+        """:meth:`draw_rows` as a tensor on the logits' device, before any host read (None: row by row)."""
         return None
 
 
@@ -109,12 +117,12 @@ class TritonRowMath(RowMath):
     def cumsum(self, row: torch.Tensor) -> torch.Tensor:
         return self.rows.cumsum(row)
 
-    def draw_rows(
+    def draw_ids(
         self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]
-    ) -> list[int] | None:
+    ) -> torch.Tensor | None:
         # a GPU's element-wise kernels compute each element alike wherever it sits; the interpreter on the CPU
         # runs PyTorch's CPU kernels (see RowMath.draw_rows), so it keeps the one-row path
-        return draw_rows(logits, temperatures, seeds, positions, self) if logits.is_cuda else None
+        return draw_ids(logits, temperatures, seeds, positions, self) if logits.is_cuda else None
 
 
 class CompiledRowMath(RowMath):
@@ -138,13 +146,14 @@ class CompiledRowMath(RowMath):
             return super().draw(row, params, seed, position)
         return self.kernels.draw(row.view(1, -1), [params.temperature], [draw_key(seed, position)])[0]
 
-    def draw_rows(
+    def draw_ids(
         self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]
-    ) -> list[int] | None:
+    ) -> torch.Tensor | None:
         if logits.dtype != torch.float32:
             return None
         keys = [draw_key(seed, pos) for seed, pos in zip(seeds, positions, strict=True)]
-        return self.kernels.draw(logits if logits.stride(-1) == 1 else logits.contiguous(), temperatures, keys)
+        rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+        return torch.tensor(self.kernels.draw(rows, temperatures, keys), dtype=torch.long)
 
 
 def row_math_for(device: str, kernels: CpuKernels | None = None) -> RowMath:
@@ -183,12 +192,7 @@ def step_tops(logits: torch.Tensor, k: int, math: RowMath) -> list[RowTops]:
     logprobs = math.log_softmax_rows(logits)
     kk = max(k, 1)
     if kk == 1:
-        # NOTE: one entry (no logprobs asked for: greedy rows and the NaN check need only the top): argmax
-        # returns the first maximum, the lowest id among ties, as the list below orders them; argmax and
-        # a gather instead of two top-ks, two sorts, two gathers and a sync for the candidate count.
-        ids1 = torch.argmax(logprobs, dim=-1, keepdim=True)
-        pairs1 = zip(ids1.view(-1).tolist(), logprobs.gather(-1, ids1).view(-1).tolist(), strict=True)
-        return [RowTops(logprobs[i], [pair]) for i, pair in enumerate(pairs1)]
+        return top1_lists(logprobs, top1_ids(logprobs))
     threshold = torch.topk(logprobs, kk, dim=-1).values[:, -1:]
     m = int((logprobs >= threshold).sum(dim=-1).max())  # the one host sync before the lists
     values, ids = torch.topk(logprobs, m, dim=-1)
@@ -198,6 +202,22 @@ def step_tops(logits: torch.Tensor, k: int, math: RowMath) -> list[RowTops]:
     ids = ids.gather(-1, order)[:, :kk]
     pairs = zip(ids.tolist(), values[:, :kk].tolist(), strict=True)
     return [RowTops(logprobs[i], list(zip(i_ids, i_vals, strict=True))) for i, (i_ids, i_vals) in enumerate(pairs)]
+
+
+def top1_ids(logprobs: torch.Tensor) -> torch.Tensor:
+    """Each row's top id ``[R, 1]``, on the device (no host read): the list :func:`step_tops` gives for ``k = 1``.
+
+    NOTE: one entry (no logprobs asked for: greedy rows and the NaN check need only the top): argmax returns
+    the first maximum, the lowest id among ties, as the lists order them; argmax and a gather instead of two
+    top-ks, two sorts, two gathers and a sync for the candidate count.
+    """
+    return torch.argmax(logprobs, dim=-1, keepdim=True)
+
+
+def top1_lists(logprobs: torch.Tensor, ids1: torch.Tensor) -> list[RowTops]:
+    """The one-entry top lists of :func:`top1_ids`' ids: the step's host read."""
+    pairs = zip(ids1.view(-1).tolist(), logprobs.gather(-1, ids1).view(-1).tolist(), strict=True)
+    return [RowTops(logprobs[i], [pair]) for i, pair in enumerate(pairs)]
 
 
 class NonFiniteLogits(ValueError):
@@ -240,7 +260,8 @@ def sample_row(
     if not top or not math_isfinite(top[0][1]):
         raise NonFiniteLogits(position)
     if pre is not None and pre.token is not None and not params.greedy and allowed is None:
-        return Sample(token_id=pre.token, logprob=float(logprobs[pre.token]), top=top[: params.logprobs or 0])
+        logprob = pre.token_logprob if pre.token_logprob is not None else float(logprobs[pre.token])
+        return Sample(token_id=pre.token, logprob=logprob, top=top[: params.logprobs or 0])
     if allowed is not None:
         return _masked(row[0], allowed, logprobs, top, params, seed, position, math)
     if params.greedy:
@@ -297,6 +318,13 @@ def batchable(params: SamplingParams) -> bool:
 def draw_rows(
     logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int], math: RowMath
 ) -> list[int]:
+    """:func:`draw_ids`, read to the host."""
+    return draw_ids(logits, temperatures, seeds, positions, math).tolist()
+
+
+def draw_ids(
+    logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int], math: RowMath
+) -> torch.Tensor:
     """Seeded draws for rows of ``[R, vocab]`` at once: per row exactly ``draw_from(sampling_probs(...))``.
 
     NOTE(invariance): the same per-element operations as the one-row path - division by the float32
@@ -312,7 +340,7 @@ def draw_rows(
     noise = noise_from_keys(key, logits.shape[1], logits.device)
     ratio = probs.double() / noise
     best = ratio == ratio.amax(dim=-1, keepdim=True)
-    return best.to(torch.int8).argmax(dim=-1).tolist()  # the first (lowest) id reaching the maximum
+    return best.to(torch.int8).argmax(dim=-1)  # the first (lowest) id reaching the maximum
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams, math: RowMath) -> torch.Tensor:

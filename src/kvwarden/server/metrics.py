@@ -32,6 +32,8 @@ _COUNTERS = {
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and scored"),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
     "context_parallel_split_steps": ("context_parallel_split_steps", "Steps split across the context-parallel ranks"),
+    "steps_launched_ahead": ("steps_launched_ahead", "Decode steps launched before the last step's tokens were read"),
+    "ahead_rows_dropped": ("ahead_rows_dropped", "Rows of early steps whose request ended before they were read"),
 }
 _GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch"),
