@@ -48,9 +48,12 @@ def steady_engine(args: argparse.Namespace, batch: int) -> Any:
     core = llm.engine
     rng = random.Random(0)
     vocab = min(vocab_of(args.model), 8192)
-    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 16, ignore_eos=True, logprobs=args.logprobs)
-    for _ in range(batch):
-        core.add_request([rng.randrange(3, vocab) for _ in range(args.prompt)], params)
+    n = 4 * args.steps + 16
+    for i in range(batch):
+        # --offline: nano-vllm's sampling (seeded, temperature 0.6) and outputs only at the end, as LLM.generate
+        temp, seed = (0.6, i) if args.offline else (0.0, None)
+        params = SamplingParams(temperature=temp, seed=seed, max_tokens=n, ignore_eos=True, logprobs=args.logprobs)
+        core.add_request([rng.randrange(3, vocab) for _ in range(args.prompt)], params, final_only=args.offline)
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         core.step()
     for _ in range(4):  # warm-up decode steps (graph capture at this batch on first use)
@@ -148,10 +151,12 @@ def main() -> None:
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (the probe asks for 20)")
     p.add_argument("--top", type=int, default=22, help="functions listed per table")
     p.add_argument("--serial", action="store_true", help="async scheduling off: each step waits for its tokens")
+    p.add_argument("--offline", action="store_true", help="seeded temperature-0.6 requests, outputs at the end")
     args = p.parse_args()
     rows = [measure(args, b) for b in args.batch or [1, 64]]
     print(render(rows))
     head = {"bench": "host_profile", "model": args.model, "device": args.device, "serial": args.serial}
+    head["offline"] = args.offline
     print(json.dumps({**head, "rows": rows}))
 
 

@@ -193,7 +193,7 @@ if [ "$MODE" = full ] && want overlap; then  # #29: async scheduling against ser
   stage "async scheduling A/B: a steady decode step's wall time, serial vs overlapped (bench/host_profile.py)"
   for ROUND in ${OVERLAP_ROUNDS:-1 2}; do
     for KIND in serial async; do
-      timeout 150 python3 bench/host_profile.py --steps 64 --top 12 ${OVERLAP_BATCHES:---batch 1 --batch 64 --batch 256} \
+      timeout 150 python3 bench/host_profile.py --steps 64 --top 12 ${OVERLAP_ARGS:---batch 1 --batch 64 --batch 256} \
         $([ $KIND = serial ] && echo --serial) 2>&1 | tee "$OUT/overlap-$KIND-$ROUND.log" | grep '^batch'
       tail -n 1 "$OUT/overlap-$KIND-$ROUND.log" > "$OUT/overlap-$KIND-$ROUND.json"
       record "overlap $KIND round $ROUND: step ms|kernels ms" "$(python3 -c "import json; d=json.load(open('$OUT/overlap-$KIND-$ROUND.json')); print([(r['batch'], round(r['step_s'] * 1e3, 2), round(r['gpu_busy_s'] * 1e3, 2)) for r in d['rows']])" 2>&1 | tail -n 1)"

@@ -57,6 +57,27 @@ def test_draw_rows_equal_each_row_drawn_alone() -> None:
     assert got[0] == got[3]  # same row, seed and position: same draw
 
 
+def test_the_fused_draw_kernel_draws_what_the_element_wise_ops_draw() -> None:
+    """``kernels/draw.py`` (a GPU engine's batched draws; Triton's interpreter on the CPU) against the
+    PyTorch ops it replaces: the same token per row, over several tiles and a ragged last one."""
+    from kvwarden.engine.randomness import draw_key, noise_from_keys, signed64
+    from kvwarden.layers.kernels.draw import draw_tokens
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 2500, generator=gen) * 4
+    logits[2] = logits[1]
+    probs = torch.softmax(logits / 0.7, dim=-1).to(dev)
+    keys = [draw_key(s, p) for s, p in [(1, 9), (2, 10), (2, 10), (3, 0), (7, 123456), (8, 1 << 40), (9, 3)]]
+    key = torch.tensor([signed64(k) for k in keys], dtype=torch.int64, device=dev)
+    ratio = probs.double() / noise_from_keys(key[:, None], probs.shape[1], dev)
+    want = (ratio == ratio.amax(dim=-1, keepdim=True)).to(torch.int8).argmax(dim=-1)
+    got = draw_tokens(probs, key)
+    assert got.tolist() == want.tolist()
+    assert got[1] == got[2]  # the same row and key: the same token
+    assert draw_tokens(probs[4:5], key[4:5]).tolist() == [got[4].item()]  # alone as in the batch
+
+
 def test_greedy_lists_are_consistent(llm: LLM) -> None:
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, logprobs=20, ignore_eos=True))[0]
     assert len(out.logprobs) == len(out.token_ids) == 8

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvwarden.cache.block_pool import Block, BlockPool
 from kvwarden.cache.hashing import extend_hashes
 from kvwarden.cache.kv_cache_manager import CacheView, KVCacheManager
@@ -55,6 +57,9 @@ class HybridCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
+
+    def block_row(self, request_id: str) -> np.ndarray:
+        return self.kv.block_row(request_id)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.kv.record_query(num_tokens, num_hit_tokens)

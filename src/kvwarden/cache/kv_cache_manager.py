@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvwarden.cache.block_pool import Block, BlockPool
 from kvwarden.cache.hashing import extend_hashes
 from kvwarden.intmath import cdiv
@@ -48,6 +50,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[Block]] = {}
+        self._rows: dict[str, np.ndarray] = {}  # block_row's arrays, until a request's blocks change
         self._num_cached: dict[str, int] = {}
         self.query_tokens = 0  # prefix-cache statistics, in tokens
         self.hit_tokens = 0
@@ -60,6 +63,19 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def block_row(self, request_id: str) -> np.ndarray:
+        """:meth:`block_ids` as an int32 array (the graphs' block tables), kept between steps.
+
+        NOTE: valid while its length matches: a request's blocks only grow at the end until :meth:`free`,
+        which drops the array.
+        """
+        blocks = self.req_blocks.get(request_id, [])
+        row = self._rows.get(request_id)
+        if row is None or len(row) != len(blocks):
+            row = np.fromiter((b.block_id for b in blocks), dtype=np.int32, count=len(blocks))
+            self._rows[request_id] = row
+        return row
 
     def get_computed_blocks(self, req: CacheView) -> tuple[list[Block | HostHit], int]:
         """Longest cached prefix of the request, in full blocks: device hits, then host-tier hits.
@@ -104,10 +120,12 @@ class KVCacheManager:
             The newly allocated blocks, or ``None`` if the pool cannot provide them
             (nothing is changed then).
         """
+        held = self.req_blocks.get(req.request_id, [])
+        if not new_computed_blocks and held and len(held) * self.block_size >= req.num_computed_tokens + num_new_tokens:
+            return []  # a decode step inside its last block (most of them): nothing to look at
         hits = new_computed_blocks or []
         device = [b for b in hits if isinstance(b, Block)]
         remote = [h for h in hits if not isinstance(h, Block)]  # device hits always come first
-        held = self.req_blocks.get(req.request_id, [])
         total_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         needed = cdiv(total_tokens, self.block_size) - len(held) - len(device)
         revived = sum(1 for b in device if b.ref_cnt == 0)  # hits that sit in the free queue
@@ -144,6 +162,7 @@ class KVCacheManager:
     def free(self, req: CacheView) -> None:
         """Return the request's blocks; tail blocks become the first to be evicted."""
         blocks = self.req_blocks.pop(req.request_id, [])
+        self._rows.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         self.pool.free(list(reversed(blocks)))
 

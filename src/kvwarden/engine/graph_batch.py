@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from kvwarden.intmath import cdiv
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class BlockTables(Protocol):
-    def block_ids(self, request_id: str) -> list[int]: ...
+    def block_row(self, request_id: str) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class GraphBatch:
         self.ints = torch.zeros((4, n + 1), dtype=torch.int32, device=device)
         self.tiles = torch.zeros((2, 2 * n), dtype=torch.int32, device=device)  # request, first position
         self.tables = torch.zeros((n + 1, cdiv(max_model_len, block_size)), dtype=torch.int32, device=device)
+        self._table = np.zeros(tuple(self.tables.shape), dtype=np.int32)  # the host side of a step's tables
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.cap_at = torch.full((1,), -1, dtype=torch.int32, device=device)
         self._fixed: dict[tuple[int, int], _Fixed] = {}
@@ -107,6 +109,45 @@ class GraphBatch:
         """Write the step's requests (``q`` rows each: the chunk's tokens - a decode token, or a prompt's last
         chunk - then its drafts, then padding up to ``q``). ``next_ids``: a step launched ahead (``q = 1``),
         whose tokens the previous step sampled and only the device holds yet: one per chunk, in order."""
+        rows = [tables.block_row(c.request.request_id) for c in chunks]
+        width = max(len(b) for b in rows)
+        table = self._table[: len(chunks), :width]
+        for i, b in enumerate(rows):  # columns past a row's blocks are never read (stale values stay)
+            table[i, : len(b)] = b
+        self.tables[: len(chunks), :width].copy_(self._pin(torch.from_numpy(table.copy())), non_blocking=True)
+        if q == 1:
+            self._stage_decode(chunks, rows, size, next_ids)
+        else:
+            assert next_ids is None
+            self._stage_wide(chunks, rows, size, q)
+
+    def _stage_decode(
+        self, chunks: list[ScheduledChunk], rows: list[np.ndarray], size: int, next_ids: torch.Tensor | None
+    ) -> None:
+        """One row per request (a decode step): the general staging without its per-row loop."""
+        bs, bq, n, pad = self.block_size, self.block_q, len(chunks), size - len(chunks)
+        starts = [c.start for c in chunks]
+        ids = [c.request.all_token_ids[c.start] for c in chunks] if next_ids is None else [0] * n
+        slots = [int(b[p // bs]) * bs + p % bs for b, p in zip(rows, starts, strict=True)]
+        longs = [ids + [0] * pad, starts + [0] * pad, slots + [self.pad_slot] * pad]
+        self.longs[:, :size].copy_(self._pinned(longs, torch.long), non_blocking=True)
+        if next_ids is not None:
+            assert next_ids.shape == (n,)
+            self.longs[0, :n].copy_(next_ids)  # queued after the sampling that chose them
+        tiles0 = [p - p % bq for p in starts]
+        state = [*self._state_slots(chunks, size), 0]
+        ints = [starts + [0] * (pad + 1), [1] * n + [0] * (pad + 1), tiles0 + [0] * (pad + 1), state]
+        self.ints[:, : size + 1].copy_(self._pinned(ints, torch.int32), non_blocking=True)
+
+    def _state_slots(self, chunks: list[ScheduledChunk], size: int) -> list[int]:
+        """Each request's recurrent working-state slot; padding requests run in the scratch slot."""
+        if self.states is None:
+            return [0] * size
+        pad = [self.states.scratch_slot] * (size - len(chunks))
+        return [self.states.working[c.request.request_id] for c in chunks] + pad
+
+    def _stage_wide(self, chunks: list[ScheduledChunk], rows: list[np.ndarray], size: int, q: int) -> None:
+        """``q`` rows per request: a verify step, or a prompt's last chunk."""
         bs, bq, pad = self.block_size, self.block_q, size - len(chunks)
         ids: list[int] = []
         pos: list[int] = []
@@ -114,53 +155,33 @@ class GraphBatch:
         starts: list[int] = []
         tile_seq: list[int] = []
         tile_pos: list[int] = []
-        rows = []
-        for i, c in enumerate(chunks):
+        for i, (c, blocks) in enumerate(zip(chunks, rows, strict=True)):
             p, req = c.start, c.request
-            blocks = tables.block_ids(req.request_id)
             real = c.num_tokens + c.num_spec
-            if next_ids is None:
-                ids.extend(req.all_token_ids[p : c.end])
-                ids.extend(req.spec_token_ids[: c.num_spec])
-                ids.extend([0] * (q - real))
-            else:
-                ids.append(0)  # written on the device below
+            ids.extend(req.all_token_ids[p : c.end])
+            ids.extend(req.spec_token_ids[: c.num_spec])
+            ids.extend([0] * (q - real))
             last_real = p + real - 1
             for j in range(p, p + q):
                 # padding rows: the last real row's position (a request near max_model_len would otherwise
                 # address rotary rows past the table), K/V into the unowned slot
                 pos.append(min(j, last_real))
-                slots.append(blocks[j // bs] * bs + j % bs if j <= last_real else self.pad_slot)
+                slots.append(int(blocks[j // bs]) * bs + j % bs if j <= last_real else self.pad_slot)
             starts.append(p)
-            rows.append(blocks)
             first, last = p // bq, (p + q - 1) // bq
             tile_seq += [i, i if last > first else size]
             tile_pos += [first * bq, last * bq]
         ids += [0] * (pad * q)
         pos += [0] * (pad * q)
         slots += [self.pad_slot] * (pad * q)
-        if self.states is not None:
-            state_slots = [self.states.working[c.request.request_id] for c in chunks]
-            state_slots += [self.states.scratch_slot] * pad
-        else:
-            state_slots = [0] * size
         nq = [q] * len(chunks) + [0] * (pad + 1)  # padding requests and the empty one have no queries
         tiles0 = [p - p % bq for p in starts]
-        ints = torch.tensor(
-            [starts + [0] * (pad + 1), nq, tiles0 + [0] * (pad + 1), [*state_slots, 0]], dtype=torch.int32
-        )
-        width = max(len(b) for b in rows)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in rows], dtype=torch.int32)
+        ints = [starts + [0] * (pad + 1), nq, tiles0 + [0] * (pad + 1), [*self._state_slots(chunks, size), 0]]
         self.longs[:, : size * q].copy_(self._pinned([ids, pos, slots], torch.long), non_blocking=True)
-        if next_ids is not None:
-            assert q == 1 and next_ids.shape == (len(chunks),)
-            self.longs[0, : len(chunks)].copy_(next_ids)  # queued after the sampling that chose them
-        self.ints[:, : size + 1].copy_(self._pin(ints), non_blocking=True)
-        self.tables[: len(chunks), :width].copy_(self._pin(table), non_blocking=True)
-        if q > 1:
-            tile_seq += [size] * (2 * pad)
-            tile_pos += [0] * (2 * pad)
-            self.tiles[:, : 2 * size].copy_(self._pinned([tile_seq, tile_pos], torch.int32), non_blocking=True)
+        self.ints[:, : size + 1].copy_(self._pinned(ints, torch.int32), non_blocking=True)
+        tile_seq += [size] * (2 * pad)
+        tile_pos += [0] * (2 * pad)
+        self.tiles[:, : 2 * size].copy_(self._pinned([tile_seq, tile_pos], torch.int32), non_blocking=True)
 
     def _pinned(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return self._pin(torch.tensor(rows, dtype=dtype))

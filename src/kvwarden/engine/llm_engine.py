@@ -28,7 +28,7 @@ from kvwarden.engine.overlap import AheadStep, Overlap, why_not_overlapped
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
 from kvwarden.engine.remote_kv import RemoteKV
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import NonFiniteLogits, RowTops, row_math_for
+from kvwarden.engine.sampler import NonFiniteLogits, RowTops, Sample, row_math_for, sample_from_tops
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvwarden.engine.spec.speculator import Speculator
@@ -276,22 +276,9 @@ class LLMEngine:
 
     def _sample(self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None) -> RequestOutput | None:
         req = chunk.request
-        row_ids = step.sample_rows[req.request_id]
-        rows = step.logits[row_ids[0] : row_ids[-1] + 1]  # consecutive (StepLogits): a view, no gather per request
-        drafts = req.spec_token_ids[: chunk.num_spec]
-        acceptance = self.spec.acceptance if self.spec is not None else "match"
-        if self.faults is not None:
-            rows = self.faults.bias(req, rows, drafts)
-        pre = [tops[r] for r in row_ids] if tops is not None else None
         try:
-            # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
-            masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
-        except GrammarFailure as exc:
-            return self._fail(chunk, exc, step)
-        args = (req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre, masks)
-        try:
-            samples, accepted = verify(rows, drafts, *args)
-        except NonFiniteLogits as exc:
+            samples, accepted = self._choose(chunk, step, tops)
+        except (GrammarFailure, NonFiniteLogits) as exc:
             return self._fail(chunk, exc, step)
         if len(req.output_token_ids) == 0:
             self.prompt_tokens_total += req.num_prompt_tokens
@@ -319,6 +306,26 @@ class LLMEngine:
         if req.final_only:
             return None
         return RequestOutput.of(req, self._prompts.get(req.request_id))
+
+    def _choose(
+        self, chunk: ScheduledChunk, step: StepLogits, tops: dict[int, RowTops] | None
+    ) -> tuple[list[Sample], int]:
+        """The chunk's tokens (its drafts verified) and how many drafts were accepted."""
+        req = chunk.request
+        row_ids = step.sample_rows[req.request_id]
+        drafts = req.spec_token_ids[: chunk.num_spec]
+        pre = [tops[r] for r in row_ids] if tops is not None else None
+        if pre is not None and not drafts and req.grammar is None:
+            # Each token is keyed by the absolute position it takes (not by the step, the batch or the drafts).
+            got = sample_from_tops(pre[0], req.params, req.num_tokens)  # the step chose it: no row needed
+            if got is not None:
+                return [got], 0
+        rows = step.logits[row_ids[0] : row_ids[-1] + 1]  # consecutive (StepLogits): a view, no gather per request
+        if self.faults is not None:
+            rows = self.faults.bias(req, rows, drafts)
+        masks = req.grammar.masks(drafts, rows.device) if req.grammar is not None else None
+        acceptance = self.spec.acceptance if self.spec is not None else "match"
+        return verify(rows, drafts, req.params, req.seed, req.num_tokens, self.row_math, acceptance, pre, masks)
 
     def _fail(self, chunk: ScheduledChunk, exc: Exception, step: StepLogits) -> RequestOutput:
         """End a request that cannot go on (a grammar with no way forward, non-finite logits; its error says

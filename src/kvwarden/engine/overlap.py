@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvwarden.cache.kv_cache_manager import KVCacheManager
+from kvwarden.engine.device_copy import upload
 from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.request import Request
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -111,7 +112,7 @@ class Overlap:
             if self.kv.allocate_slots(c.request, 1) is None:
                 return None
         if len(rows) != len(completed):
-            next_ids = next_ids[torch.tensor(rows, dtype=torch.long, device=next_ids.device)]
+            next_ids = next_ids[upload(rows, torch.long, next_ids.device)]
         self.launched += 1
         return AheadStep(chunks, self.runner.execute_ahead(chunks, self.kv, next_ids))
 

@@ -25,12 +25,12 @@ parameters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import isfinite as math_isfinite
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kvwarden.engine.device_copy import upload
 from kvwarden.engine.randomness import draw_from, draw_key, noise_from_keys, signed64
 from kvwarden.engine.request import TopLogprobs
 from kvwarden.engine.sampling_params import SamplingParams
@@ -39,22 +39,29 @@ if TYPE_CHECKING:
     from kvwarden.layers.cpu_kernels.library import CpuKernels
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
+    """One chosen token (a named tuple: made for every token of every request, so cheap to build)."""
+
     token_id: int
     logprob: float
     top: TopLogprobs
 
 
-@dataclass(frozen=True)
-class RowTops:
-    """One logits row's log-softmax (on the device) and its exact top list, computed for the whole step,
-    and (``token``) its seeded draw when the step drew it with the others."""
+class RowTops(NamedTuple):
+    """One logits row's log-softmax (row ``row`` of the step's ``table``, on the device) and its exact top
+    list, computed for the whole step, and (``token``) its seeded draw when the step drew it with the others.
+    (A named tuple: one is made per sampled row per step.)"""
 
-    logprobs: torch.Tensor
+    table: torch.Tensor
+    row: int
     top: TopLogprobs
     token: int | None = None
     token_logprob: float | None = None  # the drawn token's logprob, read with the rest (no read of its own)
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        # NOTE: indexed on use only: most rows never need it, and a tensor view costs microseconds a row
+        return self.table[self.row]
 
 
 class RowMath:
@@ -201,7 +208,7 @@ def step_tops(logits: torch.Tensor, k: int, math: RowMath) -> list[RowTops]:
     values, order = torch.sort(values, dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, order)[:, :kk]
     pairs = zip(ids.tolist(), values[:, :kk].tolist(), strict=True)
-    return [RowTops(logprobs[i], list(zip(i_ids, i_vals, strict=True))) for i, (i_ids, i_vals) in enumerate(pairs)]
+    return [RowTops(logprobs, i, list(zip(i_ids, i_vals, strict=True))) for i, (i_ids, i_vals) in enumerate(pairs)]
 
 
 def top1_ids(logprobs: torch.Tensor) -> torch.Tensor:
@@ -217,7 +224,7 @@ def top1_ids(logprobs: torch.Tensor) -> torch.Tensor:
 def top1_lists(logprobs: torch.Tensor, ids1: torch.Tensor) -> list[RowTops]:
     """The one-entry top lists of :func:`top1_ids`' ids: the step's host read."""
     pairs = zip(ids1.view(-1).tolist(), logprobs.gather(-1, ids1).view(-1).tolist(), strict=True)
-    return [RowTops(logprobs[i], [pair]) for i, pair in enumerate(pairs)]
+    return [RowTops(logprobs, i, [pair]) for i, pair in enumerate(pairs)]
 
 
 class NonFiniteLogits(ValueError):
@@ -248,6 +255,10 @@ def sample_row(
     structured output's mask (bool ``[vocab]``); the token is chosen among the
     allowed ids, the reported logprobs stay the raw distribution's.
     """
+    if pre is not None and allowed is None:
+        got = sample_from_tops(pre, params, position)
+        if got is not None:
+            return got
     math = math or RowMath()
     row = logits.view(1, -1)
     if pre is None:
@@ -255,13 +266,7 @@ def sample_row(
         top = top_logprobs(logprobs, params.logprobs or 0)
     else:
         logprobs, top = pre.logprobs, pre.top
-    # NOTE: a NaN row's top list is empty or NaN (no value reaches a NaN threshold): refuse it by name rather
-    # than emit an arbitrary token or fail on an empty list
-    if not top or not math_isfinite(top[0][1]):
-        raise NonFiniteLogits(position)
-    if pre is not None and pre.token is not None and not params.greedy and allowed is None:
-        logprob = pre.token_logprob if pre.token_logprob is not None else float(logprobs[pre.token])
-        return Sample(token_id=pre.token, logprob=logprob, top=top[: params.logprobs or 0])
+    _check_finite(top, position)
     if allowed is not None:
         return _masked(row[0], allowed, logprobs, top, params, seed, position, math)
     if params.greedy:
@@ -269,6 +274,27 @@ def sample_row(
         return Sample(token_id=token, logprob=top[0][1], top=top[: params.logprobs or 0])
     token = _draw(row[0], params, seed, position, math)
     return Sample(token_id=token, logprob=float(logprobs[token]), top=top[: params.logprobs or 0])
+
+
+def sample_from_tops(pre: RowTops, params: SamplingParams, position: int) -> Sample | None:
+    """The token :func:`sample_row` chooses when the step's batched work already chose it (a greedy row's
+    top, a seeded temperature-only draw), without the row's logits; None when the row must be sampled from
+    them (top-k / top-p draws)."""
+    top = pre.top
+    _check_finite(top, position)
+    if pre.token is not None and not params.greedy:
+        logprob = pre.token_logprob if pre.token_logprob is not None else float(pre.logprobs[pre.token])
+        return Sample(token_id=pre.token, logprob=logprob, top=top[: params.logprobs or 0])
+    if params.greedy:
+        return Sample(token_id=top[0][0], logprob=top[0][1], top=top[: params.logprobs or 0])
+    return None
+
+
+def _check_finite(top: TopLogprobs, position: int) -> None:
+    # NOTE: a NaN row's top list is empty or NaN (no value reaches a NaN threshold): refuse it by name rather
+    # than emit an arbitrary token or fail on an empty list
+    if not top or not math_isfinite(top[0][1]):
+        raise NonFiniteLogits(position)
 
 
 def _masked(
@@ -333,10 +359,14 @@ def draw_ids(
     GPU, whose element-wise kernels compute each element by the same function wherever it sits.
     (On the CPU the engine keeps the one-row path: SIMD bodies and scalar tails may differ there.)
     """
-    temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
+    temps = upload(temperatures, logits.dtype, logits.device)[:, None]
     probs = math.softmax(logits / temps)
-    keys = [draw_key(seed, pos) for seed, pos in zip(seeds, positions, strict=True)]
-    key = torch.tensor([signed64(k) for k in keys], dtype=torch.int64, device=logits.device)[:, None]
+    keys = [signed64(draw_key(seed, pos)) for seed, pos in zip(seeds, positions, strict=True)]
+    key = upload(keys, torch.int64, logits.device)[:, None]
+    if probs.is_cuda and probs.dtype == torch.float32:
+        from kvwarden.layers.kernels.draw import draw_tokens  # Triton: GPU only
+
+        return draw_tokens(probs, key.view(-1))  # the same bits, without [rows, vocab] temporaries
     noise = noise_from_keys(key, logits.shape[1], logits.device)
     ratio = probs.double() / noise
     best = ratio == ratio.amax(dim=-1, keepdim=True)

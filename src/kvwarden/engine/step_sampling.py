@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvwarden.engine.device_copy import upload
 from kvwarden.engine.model_runner import StepLogits
 from kvwarden.engine.sampler import (
     RowMath,
@@ -55,7 +56,7 @@ class StepTops:
         if self.ids1 is not None and self.logprobs is not None:
             parts += [self.ids1.view(-1), self.logprobs.gather(-1, self.ids1).view(-1)]
         if self.draws is not None and self.logprobs is not None:
-            picked = torch.tensor(self.seeded, dtype=torch.long, device=self.logprobs.device)
+            picked = upload(self.seeded, torch.long, self.logprobs.device)
             drawn = self.draws.to(self.logprobs.device)
             parts += [drawn, self.logprobs[picked].gather(-1, drawn[:, None]).view(-1)]
         if parts and parts[0].is_cuda:
@@ -75,7 +76,7 @@ class StepTops:
             return ids
         assert self.draws is not None
         ids = ids.clone()
-        ids[torch.tensor(self.seeded, device=ids.device)] = self.draws.to(ids.device)
+        ids[upload(self.seeded, torch.long, ids.device)] = self.draws.to(ids.device)
         return ids
 
     def collect(self) -> dict[int, RowTops]:
@@ -85,7 +86,8 @@ class StepTops:
         host = [t.tolist() for t in self.host]
         if self.ids1 is not None and self.logprobs is not None:
             ids, values = host[0], host[1]
-            tops = [RowTops(self.logprobs[i], [(ids[i], values[i])]) for i in range(len(ids))]
+            table = self.logprobs
+            tops = [RowTops(table, i, [(ids[i], values[i])]) for i in range(len(ids))]
             host = host[2:]
         else:
             assert self.lists is not None
@@ -93,7 +95,7 @@ class StepTops:
         if self.draws is not None:
             drawn, drawn_logprobs = host if host else (self.draws.tolist(), [None] * len(self.seeded))
             for i, token, logprob in zip(self.seeded, drawn, drawn_logprobs, strict=True):
-                tops[i] = RowTops(tops[i].logprobs, tops[i].top, token, logprob)
+                tops[i] = RowTops(tops[i].table, tops[i].row, tops[i].top, token, logprob)
         return dict(zip(self.rows, tops, strict=True))
 
 
@@ -108,7 +110,7 @@ def launch_tops(completed: list[ScheduledChunk], step: StepLogits, math: RowMath
     if rows == list(range(step.logits.shape[0])):  # every row, in order (a decode step): no copy
         logits = step.logits
     else:
-        logits = step.logits[torch.tensor(rows, dtype=torch.long, device=step.logits.device)]
+        logits = step.logits[upload(rows, torch.long, step.logits.device)]
     logprobs, ids1, lists = None, None, None
     if k <= 1:
         logprobs = math.log_softmax_rows(logits)
@@ -122,8 +124,9 @@ def launch_tops(completed: list[ScheduledChunk], step: StepLogits, math: RowMath
     draws = None
     if seeded:
         params = [(owners[i][1], owners[i][2]) for i in seeded]
+        every = len(seeded) == logits.shape[0]  # most steps: no gather
         draws = math.draw_ids(
-            logits[seeded],
+            logits if every else logits[upload(seeded, torch.long, logits.device)],
             [req.params.temperature for req, _ in params],
             [req.seed for req, _ in params],
             [req.num_tokens + j for req, j in params],
