@@ -156,28 +156,15 @@ def llm(model: str, args: argparse.Namespace, numerics: str, **kw: Any) -> Any:
 
 
 def decode_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[str]) -> list[dict[str, Any]]:
-    from kvwarden import SamplingParams
-
     rows = []
     steps = 32
     for name in engines:
         numerics = NUMERICS[name]
         engine = llm(model, args, numerics, max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False)
         rng = random.Random(1)
-        engine.generate([[5] * 8], SamplingParams(max_tokens=2))  # warm-up
         for batch in args.batches:
             prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(batch)]
-            t = []
-            for max_tokens in (1, 1 + steps):  # the difference is the decode steps; best of two each
-                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-                best = float("inf")
-                for _ in range(2):
-                    sync(args.device)
-                    t0 = time.perf_counter()
-                    engine.generate(prompts, params)
-                    sync(args.device)
-                    best = min(best, time.perf_counter() - t0)
-                t.append(best)
+            best = min(decode_window(engine.engine, prompts, steps, args.device) for _ in range(2))
             graphs = engine.engine.runner.graphs
             captured = bool(graphs is not None and graphs.graphs)
             rows.append(
@@ -185,13 +172,36 @@ def decode_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[
                     "model": model,
                     "engine": name,
                     "batch": batch,
-                    "decode_tok_s": batch * steps / (t[1] - t[0]),
+                    "decode_tok_s": batch * steps / best,
                     "graphs": captured,
                     "capture_error": graphs.capture_error if graphs is not None else None,
                 }
             )
         del engine
     return rows
+
+
+def decode_window(core: Any, prompts: list[list[int]], steps: int, device: str) -> float:
+    """Seconds of ``steps`` engine steps in which every request of ``prompts`` decodes (greedy): prompts
+    computed and two decode steps run first, no request ends inside the window, the device synchronised
+    at both ends (a step async scheduling launched ahead is inside it). The requests are aborted after."""
+    from kvwarden import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [core.add_request(p, params) for p in prompts]
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        core.step()
+    for _ in range(2):  # the first decode steps at this batch size (a graph's first replay)
+        core.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    for rid in ids:
+        core.abort(rid)
+    return seconds
 
 
 def ttft_rows(model: str, args: argparse.Namespace, vocab: int, engines: list[str]) -> list[dict[str, Any]]:

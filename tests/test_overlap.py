@@ -133,3 +133,12 @@ def test_an_abort_and_an_arrival_between_overlapped_steps(llama_tiny: Path) -> N
     assert _overlap(llm).dropped_rows > 0  # its row in the step already on the device was dropped
     engine.check_integrity()
     assert engine.pool.num_free_blocks == engine.num_blocks
+
+
+def test_the_flag_reaches_the_engine_config() -> None:
+    from kvwarden.cli import build_parser
+    from kvwarden.commands.engine_args import engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "m"]))["async_scheduling"] is True
+    assert engine_kwargs(parser.parse_args(["serve", "m", "--no-async-scheduling"]))["async_scheduling"] is False

@@ -22,13 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvwarden.engine.randomness import signed64
-
 BLOCK = 1024  # ids per step of a row's walk
 
-_GOLDEN = signed64(0x9E3779B97F4A7C15)
-_MIX1 = signed64(0xBF58476D1CE4E5B9)
-_MIX2 = signed64(0x94D049BB133111EB)
+# SplitMix64's constants as the int64 bit patterns torch and Triton store (each is >= 2^63)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 @triton.jit
