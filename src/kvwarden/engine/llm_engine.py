@@ -21,6 +21,7 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.context_parallel import ContextParallel
 from kvwarden.engine.context_parallel.layer_split import owned_layers
+from kvwarden.engine.engine_stats import engine_stats
 from kvwarden.engine.memory import check_scan_chunk, context_limit, num_cache_blocks
 from kvwarden.engine.model_runner import ModelRunner, StepLogits
 from kvwarden.engine.outputs import RequestOutput
@@ -375,36 +376,8 @@ class LLMEngine:
             assert req.request_id in self.kv.req_blocks or req.num_computed_tokens == 0
 
     def stats(self) -> dict[str, Any]:
-        states = self.states
-        spec = self.speculator.totals if self.speculator is not None else SpecStats()
-        return {
-            "state_slots_free": states.num_free_working if states else 0,
-            "state_snapshots": states.num_snapshots if states else 0,
-            "num_blocks": self.num_blocks,
-            "kv_cache_bytes": self.runner.kv_caches.nbytes,
-            "prefix_cache_capacity_tokens": self.num_blocks * self.config.cache.block_size,
-            "free_blocks": self.pool.num_free_blocks,
-            "cached_blocks": self.pool.num_cached_blocks,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "remote_waiting": len(self.scheduler.remote),
-            "detached_blocks": self.remote.detached_blocks(),
-            "prefix_cache_queries": self.kv.query_tokens,
-            "prefix_cache_hits": self.kv.hit_tokens,
-            "preemptions": self.scheduler.num_preemptions,
-            "evictions": self.pool.evictions,
-            "steps": self.num_steps,
-            "steps_launched_ahead": self.overlap.launched if self.overlap is not None else 0,
-            "ahead_rows_dropped": self.overlap.dropped_rows if self.overlap is not None else 0,
-            "prompt_tokens": self.prompt_tokens_total,
-            "generation_tokens": self.generation_tokens_total,
-            "spec_num_drafts": spec.num_drafts,
-            "spec_num_draft_tokens": spec.num_draft_tokens,
-            "spec_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_accepted_per_position": list(spec.accepted_per_position),
-            **(self.parallel.stats() if self.parallel is not None else ContextParallel.single_rank_stats(self.runner)),
-            **(self.host.stats() if self.host is not None else {}),
-        }
+        """Counters and gauges of the engine's parts (``/metrics``, the probe): see :func:`engine_stats`."""
+        return engine_stats(self)
 
     def close(self) -> None:
         """Stop what the engine started outside this process (context-parallel workers); idempotent."""
