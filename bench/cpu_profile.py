@@ -48,7 +48,10 @@ TOP_OPS = 8  # single operators listed per step (name, ms, calls)
 PARTS = (
     ("scheduler + block tables", ("engine/scheduler", "engine/chunking", "cache/")),
     ("model runner (step tensors)", ("engine/model_runner",)),
-    ("sampler + stop", ("engine/sampler", "engine/step_sampling", "engine/stop", "engine/spec/verify")),
+    (
+        "sampler + stop",
+        ("engine/sampler", "engine/row_math", "engine/step_sampling", "engine/stop", "engine/spec/verify"),
+    ),
     ("engine bookkeeping", ("engine/llm_engine", "engine/outputs", "engine/request")),
     ("layers (numerics, attention)", ("layers/",)),
     ("models (decoder, blocks)", ("models/",)),

@@ -19,7 +19,7 @@ import torch
 from kvwarden import LLM, SamplingParams
 from kvwarden.bench.properties import PROPERTIES, check_properties
 from kvwarden.config import NumericsConfig
-from kvwarden.engine.sampler import CompiledRowMath, RowMath
+from kvwarden.engine.row_math import CompiledRowMath, RowMath
 from kvwarden.layers.attention import SeqAttn
 from kvwarden.layers.backends import make_ops
 from kvwarden.layers.cpu_kernels.build import BuildError, build

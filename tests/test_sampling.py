@@ -12,7 +12,8 @@ import torch
 
 from kvwarden import LLM, SamplingParams
 from kvwarden.engine.randomness import draw_from
-from kvwarden.engine.sampler import RowMath, draw_rows, sampling_probs, step_tops, top_logprobs
+from kvwarden.engine.row_math import RowMath, draw_rows, sampling_probs
+from kvwarden.engine.sampler import step_tops, top_logprobs
 from util import exact, random_tokens
 
 

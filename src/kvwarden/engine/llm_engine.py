@@ -29,7 +29,8 @@ from kvwarden.engine.overlap import AheadStep, Overlap, why_not_overlapped
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
 from kvwarden.engine.remote_kv import RemoteKV
 from kvwarden.engine.request import Request, Status
-from kvwarden.engine.sampler import NonFiniteLogits, RowTops, Sample, row_math_for, sample_from_tops
+from kvwarden.engine.row_math import row_math_for
+from kvwarden.engine.sampler import NonFiniteLogits, RowTops, Sample, sample_from_tops
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvwarden.engine.spec.speculator import Speculator

@@ -1,7 +1,7 @@
 """The sampler's work for a whole step: every sampled row at once, and prompt scores.
 
 :func:`launch_tops` batches what per-row sampling would repeat per request (see
-``sampler.step_tops`` / ``sampler.draw_rows`` for why the batch gives each row
+``sampler.step_tops`` / ``row_math.draw_rows`` for why the batch gives each row
 its own bits) and leaves the host read to :meth:`StepTops.collect`;
 :func:`record_prompt_scores` stores prompt logprobs and captured logits as
 chunks of a prompt are computed.
@@ -15,14 +15,8 @@ import torch
 
 from kvwarden.engine.device_copy import upload
 from kvwarden.engine.model_runner import StepLogits
-from kvwarden.engine.sampler import (
-    RowMath,
-    RowTops,
-    batchable,
-    prompt_logprob_rows,
-    step_tops,
-    top1_ids,
-)
+from kvwarden.engine.row_math import RowMath, batchable
+from kvwarden.engine.sampler import RowTops, prompt_logprob_rows, step_tops, top1_ids
 from kvwarden.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 

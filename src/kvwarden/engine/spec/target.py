@@ -17,7 +17,7 @@ from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig
 from kvwarden.engine.model_runner import ModelRunner
-from kvwarden.engine.sampler import RowMath
+from kvwarden.engine.row_math import RowMath
 from kvwarden.engine.scheduler import Scheduler
 from kvwarden.layers.numerics import Ops
 from kvwarden.models.config import ModelConfig

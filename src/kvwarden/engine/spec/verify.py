@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from kvwarden.engine.randomness import draw_from, uniform
-from kvwarden.engine.sampler import RowMath, RowTops, Sample, sample_row, sampling_probs
+from kvwarden.engine.row_math import RowMath, sampling_probs
+from kvwarden.engine.sampler import RowTops, Sample, sample_row
 from kvwarden.engine.sampling_params import SamplingParams
 
 # Randomness streams of rejection sampling (stream 0 is plain decoding's draw).

@@ -1,13 +1,13 @@
 """Seeded draws of many rows in one launch: the noise, the ratio and the argmax fused, read once.
 
-``sampler.draw_ids`` draws token ``argmax(p / E)`` per row, with ``E = -log(u)`` and ``u`` a hash of the
+``row_math.draw_ids`` draws token ``argmax(p / E)`` per row, with ``E = -log(u)`` and ``u`` a hash of the
 row's 64-bit key and the token id (``engine/randomness.py``). Written as PyTorch element-wise ops, a step
 of 256 rows over a 151,936-id vocabulary builds a dozen ``[rows, vocab]`` int64 and float64 temporaries
 (300 MB each): several milliseconds of memory traffic a step, as much as the model's forward. This kernel
 reads the probabilities once and keeps everything else in registers.
 
 NOTE(invariance): each element goes through the operations of ``randomness.noise_from_keys`` and
-``sampler.draw_ids`` in the same order and precision: ``z = id * 0x9E3779B97F4A7C15 + key`` and
+``row_math.draw_ids`` in the same order and precision: ``z = id * 0x9E3779B97F4A7C15 + key`` and
 SplitMix64's finaliser in wrapping int64 arithmetic with logical right shifts (exact); ``u = (z >>> 11 &
 (2^53 - 1)) + 0.5`` in float64, times ``2^-53`` (a power of two: exact); ``E = -log(u)`` and ``p / E`` in
 float64 (the correctly rounded division and libdevice's ``log`` that PyTorch's CUDA kernels use). The row's
