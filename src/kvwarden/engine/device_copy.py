@@ -14,8 +14,14 @@ import torch
 
 def upload(values: list[int] | list[float], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)``, queued without blocking the host."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host
-    # pinned blocks come from PyTorch's caching host allocator, which keeps each until its copy is done
-    return host.pin_memory().to(device, non_blocking=True)
+    host = pinned(torch.tensor(values, dtype=dtype), device)
+    return host if torch.device(device).type != "cuda" else host.to(device, non_blocking=True)
+
+
+def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` where a copy to ``device`` reads it without blocking: pinned for a GPU, as is for the CPU.
+
+    Pinned blocks come from PyTorch's caching host allocator, which keeps each until the copy reading it is
+    done, so the caller may drop it at once.
+    """
+    return host.pin_memory() if torch.device(device).type == "cuda" else host

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from kvwarden.engine.device_copy import pinned
 from kvwarden.intmath import cdiv
 from kvwarden.layers.attention import AttentionPlan
 from kvwarden.layers.recurrent_plan import RecurrentMeta
@@ -187,13 +188,9 @@ class GraphBatch:
         return self._pin(torch.tensor(rows, dtype=dtype))
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor the copy to a GPU reads without blocking the host.
-
-        NOTE: a copy from pageable memory may wait for the stream to drain, which would stall the staging
-        of a step launched ahead (``engine/overlap.py``) until the step before it ends; pinned blocks come
-        from PyTorch's caching host allocator, which keeps each one until the copy that reads it is done.
-        """
-        return t.pin_memory() if self.device.type == "cuda" else t
+        # NOTE: a copy from pageable memory may wait for the stream to drain, which would stall the staging of
+        # a step launched ahead (engine/overlap.py) until the step before it ends
+        return pinned(t, self.device)
 
     # ------------------------------------------------------------------ the batch a graph reads
     def forward_batch(self, size: int, q: int) -> ForwardBatch:

@@ -51,8 +51,7 @@ class StepTops:
             parts += [self.ids1.view(-1), self.logprobs.gather(-1, self.ids1).view(-1)]
         if self.draws is not None and self.logprobs is not None:
             picked = upload(self.seeded, torch.long, self.logprobs.device)
-            drawn = self.draws.to(self.logprobs.device)
-            parts += [drawn, self.logprobs[picked].gather(-1, drawn[:, None]).view(-1)]
+            parts += [self.draws, self.logprobs[picked, self.draws]]  # one element a row, not its whole row
         if parts and parts[0].is_cuda:
             self.host = [t.to("cpu", non_blocking=True) for t in parts]  # pinned: the copy does not block
             self.ready = torch.cuda.Event()
@@ -70,7 +69,7 @@ class StepTops:
             return ids
         assert self.draws is not None
         ids = ids.clone()
-        ids[upload(self.seeded, torch.long, ids.device)] = self.draws.to(ids.device)
+        ids[upload(self.seeded, torch.long, ids.device)] = self.draws
         return ids
 
     def collect(self) -> dict[int, RowTops]:
