@@ -59,22 +59,14 @@ def weight_shapes(model: str, dtype: str) -> list[tuple[int, int, bool]]:
     return sorted(found)
 
 
-def run(x: torch.Tensor, w: torch.Tensor, cfg: dict[str, int]) -> torch.Tensor:
-    import triton
-
+def run(x: torch.Tensor, w: torch.Tensor, cfg: dict[str, int], counters: torch.Tensor) -> torch.Tensor:
+    """One GEMM with ``cfg``, its splits of K in parallel where ``linear`` would run them so."""
     from kvwarden.layers.kernels import gemm
 
+    config = gemm.GemmConfig(**cfg)
     m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]))
-    gemm._linear_kernel[grid](
-        x, w, y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=False, IEEE=x.dtype == torch.float32, BY_SUM=False,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return y
+    parallel = gemm.splits_in_parallel(m, w.shape[0], k, config, x.element_size())
+    return gemm.launch(x, w, None, config, parallel, counters)
 
 
 def tune_shape(n: int, k: int, is_head: bool, dtype: torch.dtype) -> dict[str, Any]:
@@ -84,13 +76,16 @@ def tune_shape(n: int, k: int, is_head: bool, dtype: torch.dtype) -> dict[str, A
     w = (torch.randn((n, k), device="cuda", generator=gen) * 0.02).to(dtype)
     rows = HEAD_ROWS if is_head else ROWS
     xs = {m: torch.randn((m, k), device="cuda", generator=gen).to(dtype) for m in rows}
+    from kvwarden.layers.kernels.gemm import new_counters
+
+    counters = new_counters("cuda")
     times: dict[int, dict[int, float]] = {}
     invariant: dict[int, bool] = {}
     for i, cfg in enumerate(candidates()):
         try:
-            big = run(xs[rows[-1]], w, cfg)
-            invariant[i] = torch.equal(run(xs[rows[-1]][:1], w, cfg), big[:1])
-            times[i] = {m: do_bench(lambda m=m, cfg=cfg: run(xs[m], w, cfg), warmup=5, rep=15) for m in rows}
+            big = run(xs[rows[-1]], w, cfg, counters)
+            invariant[i] = torch.equal(run(xs[rows[-1]][:1], w, cfg, counters), big[:1])
+            times[i] = {m: do_bench(lambda m=m, cfg=cfg: run(xs[m], w, cfg, counters), warmup=5, rep=15) for m in rows}
         except Exception as exc:  # a configuration that does not fit the GPU (shared memory) is skipped
             print(f"  {n}x{k} {cfg}: {type(exc).__name__}", file=sys.stderr)
     best_at = {m: min(t[m] for t in times.values()) for m in rows}
@@ -132,7 +127,7 @@ def main() -> None:
         cfg = f"{c['block_m']}, {c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']}"
         us = " / ".join(str(v) for v in got["us"].values())
         print(f"| {key} | {cfg} | {us} | {got['slowdown']:.2f}x |", flush=True)
-    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")  # after every shape: a timeout keeps them
     print(json.dumps({"bench": "tune_gemm", "device": device, "table": str(out), "shapes": entry["measured"]}))
 
 

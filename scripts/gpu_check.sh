@@ -11,6 +11,8 @@
 #   scripts/gpu_check.sh full speed                   # the whole table (dense + both hybrids), one bench/gpu.py run
 #                                                     # (SPEED_ARGS replaces its flags; parts past the deadline skip)
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
+#   scripts/gpu_check.sh full gemm                    # the GEMM's fixed splits of K against the unsplit kernel
+#   scripts/gpu_check.sh full attntiles               # the attention kernel's tile candidates, decode and prefill
 #   scripts/gpu_check.sh full overlap                 # async scheduling vs serial steps: a decode step's wall time
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
@@ -26,7 +28,7 @@
 #   scripts/gpu_check.sh full dsa                     # sparse attention (GLM-5, DeepSeek-V3.2): kernels, agreement,
 #                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, speed, speedoffline, speedrows, serving, overlap, profile, pd,
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, gemm, attntiles, speed, speedoffline, speedrows, serving, overlap, profile, pd,
 # fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
@@ -126,10 +128,24 @@ fi
 
 if want tune; then
   stage "GEMM tiles: every candidate per weight shape of the 0.6b presets, timed at 1..4096 rows"
-  timeout 300 python3 bench/tune_gemm.py --model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b \
+  timeout "${TUNE_TIMEOUT:-300}" python3 bench/tune_gemm.py ${TUNE_ARGS:---model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b} \
     --out "$OUT/gemm_tuned.json" 2>&1 | tee "$OUT/tune_gemm.log" | grep -v '^{' | tail -n 30
   [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"
   record "GEMM tuning (shapes, all candidates invariant)" "$(python3 -c "import json; d=json.loads(open('$OUT/tune_gemm.log').read().splitlines()[-1])['shapes']; print(len(d), all(v['all_invariant'] for v in d.values()))" 2>&1 | tail -n 1)"
+fi
+
+if want gemm; then  # the canonical GEMM's fixed splits of K against the unsplit kernel, per weight shape
+  stage "GEMM: fixed splits of K (walked, parallel) against the unsplit kernel, 1..2048 rows, bitwise checks"
+  timeout "${GEMM_TIMEOUT:-240}" python3 bench/gemm_split.py ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_split.log" | grep -v '^{' | tail -n 60
+  tail -n 1 "$OUT/gemm_split.log" > "$OUT/gemm_split.json"
+  record "GEMM splits: bitwise; b1 chosen vs unsplit (0.6b)" "$(python3 -c "import json; d=json.load(open('$OUT/gemm_split.json')); print(d['bitwise'], [(r['name'].split()[-1], round(r['unsplit_us'] / r['chosen_us'], 2)) for r in d['rows'] if r['rows'] == 1 and r['name'].startswith('qwen3-0.6b')])" 2>&1 | tail -n 1)"
+fi
+
+if want attntiles; then  # the attention kernel's key tile, warps and stages on decode and prefill shapes
+  stage "attention tiles: (BLOCK_N, warps, stages) candidates, decode b1/b64/b256 and a 2,048-token prefill"
+  timeout "${ATTN_TIMEOUT:-200}" python3 bench/attention_tiles.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention_tiles.log" | grep -v '^{' | tail -n 20
+  tail -n 1 "$OUT/attention_tiles.log" > "$OUT/attention_tiles.json"
+  record "attention tiles: (tiles, decode=prefill, us)" "$(python3 -c "import json; d=json.load(open('$OUT/attention_tiles.json')); print([(tuple(r['tiles']), r['decode_equals_prefill'], [round(v) for v in r['us'].values()], round(r['prefill_us'])) for r in d['rows']])" 2>&1 | tail -n 1)"
 fi
 
 speed() {  # $1: log name, then bench/gpu.py flags; the JSON is saved after every part (a timeout keeps it)

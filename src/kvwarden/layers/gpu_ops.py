@@ -146,6 +146,9 @@ class TritonOps(CudaOps):
 
         self.k_attention, self.k_gemm, self.k_pointwise, self.k_rotary = attention, gemm, pointwise, rotary
         self.k_grid, self.k_ssd = recurrent_grid, ssd_grid
+        # Arrival counters that let GEMV-shaped launches run their fixed splits of K in parallel (speed only:
+        # kernels/gemm.py). One stream runs this backend's launches in turn, and each leaves them zero.
+        self.gemm_counters = gemm.new_counters(device)
         self._named: dict[Callable[..., Any], str] = {
             torch.sigmoid: "sigmoid",
             torch.nn.functional.silu: "silu",
@@ -169,7 +172,7 @@ class TritonOps(CudaOps):
 
     # ------------------------------------------------------------- element-wise and rows
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.k_gemm.linear(x, weight, bias)
+        return self.k_gemm.linear(x, weight, bias, counters=self.gemm_counters)
 
     def rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("TritonOps has no generic row op: call a named one (softmax_rows, sum_rows, ...)")

@@ -11,7 +11,8 @@ was chunked:
   and GQA ratios of 3, 5, 6 or 7 are common); padding rows are masked queries,
   exact no-ops like rows past a request's end. A decode step of position ``p``
   lands in the same slot of the same-shaped tile as the prefill of ``p`` would.
-* Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0, and
+* Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0 (a constant
+  of the model's head shape, :func:`key_tile`), and
   grouped into splits of ``SPLIT`` keys at fixed absolute boundaries
   (0, SPLIT, 2*SPLIT, ...). Each split keeps its own online-softmax state
   (running max, sum, accumulator); the splits are then combined in split order
@@ -36,70 +37,24 @@ contexts: parallel), never a numerical one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from kvwarden.intmath import cdiv
+from kvwarden.layers.kernels.attention_meta import BLOCK_Q, AttentionMeta
 
-BLOCK_Q = 16  # query positions per tile (aligned to absolute position)
-BLOCK_N = 32  # keys per tile (aligned to key position 0)
-SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order
+__all__ = ["BLOCK_Q", "AttentionMeta", "key_tile", "paged_attention", "precompile", "split_in_parallel"]
+
+# Keys per tile (aligned to key position 0): a constant of the model's head shape (key_tile), never of the step.
+BLOCK_N, BLOCK_N_WIDE = 32, 64
+WIDE_MAX_ELEMENTS = 16 * 2 * 128  # a tile's query rows x padded head size up to which keys come 64 at a time
+SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order (a multiple of every key tile)
 # When splits run in parallel (speed only: the bits are the same either way): launches of fewer
 # (tile, head) programs than this, whose split states fit in this many programs' buffers and bytes.
 FEW_PROGRAMS = 512
 PARALLEL_MAX_PROGRAMS = 1 << 15
 PARALLEL_MAX_BYTES = 128 << 20  # the split states' float32 buffers (the memory budget reserves them)
-
-
-@dataclass(frozen=True)
-class AttentionMeta:
-    """Device tensors describing one step's requests and query tiles (built once per step).
-
-    Attributes:
-        seq_row0, seq_start, seq_nq: per request, its first row in the batch, the
-            absolute position of its first query and its number of queries.
-        block_tables: ``[requests, max_blocks]`` int32 KV block ids.
-        tile_seq, tile_pos0: per query tile, its request and the absolute position
-            of its first slot (a multiple of ``BLOCK_Q``).
-        max_keys: a bound on the step's longest context, which sizes the parallel splits: the
-            exact figure in an eager step, the longest context served in a captured graph (whose
-            steps' contexts vary; splits past a tile's keys then exit at once). 0: walk the splits.
-    """
-
-    seq_row0: torch.Tensor
-    seq_start: torch.Tensor
-    seq_nq: torch.Tensor
-    block_tables: torch.Tensor
-    tile_seq: torch.Tensor
-    tile_pos0: torch.Tensor
-    max_keys: int = 0
-
-    @classmethod
-    def build(cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str) -> AttentionMeta:
-        """From ``(row_start, start_pos, num_queries, block_ids)`` per request."""
-        max_blocks = max((len(b) for *_, b in seqs), default=1) or 1
-        tables = [b + [0] * (max_blocks - len(b)) for *_, b in seqs]
-        tile_seq, tile_pos0 = [], []
-        for i, (_, start, nq, _) in enumerate(seqs):
-            for t in range(start // BLOCK_Q, (start + nq - 1) // BLOCK_Q + 1):
-                tile_seq.append(i)
-                tile_pos0.append(t * BLOCK_Q)
-
-        def t(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-        return cls(
-            seq_row0=t([s[0] for s in seqs]),
-            seq_start=t([s[1] for s in seqs]),
-            seq_nq=t([s[2] for s in seqs]),
-            block_tables=t(tables),
-            tile_seq=t(tile_seq),
-            tile_pos0=t(tile_pos0),
-            max_keys=max((start + nq for _, start, nq, _ in seqs), default=0),
-        )
 
 
 @triton.jit
@@ -265,6 +220,17 @@ def _attention_fold_kernel(
     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
+def key_tile(rows: int, block_d: int) -> int:
+    """``BLOCK_N`` for a model's head shape (``rows``: a query tile's rows, ``BLOCK_Q`` x the padded GQA group).
+
+    64 keys a tile where the tile's rows x head fit (Qwen3-0.6B's 32 x 128: on an H100 a decode step of
+    64 requests over 512 keys took 71 us against 85 with 32, a 2,048-token prefill 202 against 281;
+    ``bench/attention_tiles.py``), else 32 (Qwen3-Next's 128 rows x 256 would spill registers).
+    NOTE(invariance): the tile moves the online softmax's rescale points, so it is fixed per model.
+    """
+    return BLOCK_N_WIDE if rows * block_d <= WIDE_MAX_ELEMENTS else BLOCK_N
+
+
 def split_in_parallel(tiles: int, hkv: int, nsplit: int, rows: int, block_d: int) -> bool:
     """Whether a launch runs its splits in parallel: several splits, few (tile, head) programs (a long
     context's decode or short tail, where walking the splits would leave most of the GPU idle), and
@@ -287,6 +253,7 @@ def paged_attention(
     block_size: int,
     scale: float,
     parallel_splits: bool | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``.
 
@@ -294,7 +261,11 @@ def paged_attention(
     after (flash-decoding), or walk them in one program; ``None`` chooses by the
     launch (few tiles over long contexts: in parallel). Both give the same bits:
     the same split states, folded in the same order by the same function.
+    ``tiles``: ``(BLOCK_N, num_warps, num_stages)`` instead of the module's, for
+    ``bench/attention_tiles.py`` only (``BLOCK_N`` moves the softmax's rescale
+    points, so the engine never passes it: every step must use the same).
     """
+    block_n, warps, stages = tiles or (0, 4, 2)
     q = q.contiguous()
     rows, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -309,6 +280,9 @@ def paged_attention(
     ieee = q.dtype == torch.float32
     nsplit = cdiv(meta.max_keys, SPLIT) if meta.max_keys else 0
     m = BLOCK_Q * rp
+    block_n = block_n or key_tile(m, block_d)
+    if SPLIT % block_n:  # a key tile may not straddle a split's boundary (its keys would count twice)
+        raise ValueError(f"SPLIT={SPLIT} is not a multiple of the key tile {block_n}")
     if parallel_splits is None:
         parallel_splits = split_in_parallel(tiles, hkv, nsplit, m, block_d)
     if not parallel_splits or nsplit < 1:
@@ -316,7 +290,7 @@ def paged_attention(
             q, k_cache, v_cache, out,
             meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
             meta.block_tables.shape[1], block_size, scale,
-            **const, BN=BLOCK_N, SPLIT_=SPLIT, IEEE=ieee, num_warps=4, num_stages=2,
+            **const, BN=block_n, SPLIT_=SPLIT, IEEE=ieee, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
     m_buf = torch.empty((tiles * hkv * nsplit * m,), dtype=torch.float32, device=q.device)
@@ -326,7 +300,7 @@ def paged_attention(
         q, k_cache, v_cache, m_buf, l_buf, acc_buf,
         meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
         meta.block_tables.shape[1], block_size, nsplit, scale,
-        **const, BN=BLOCK_N, SPLIT_=SPLIT, IEEE=ieee, num_warps=4, num_stages=2,
+        **const, BN=block_n, SPLIT_=SPLIT, IEEE=ieee, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _attention_fold_kernel[(tiles, hkv)](
         out, m_buf, l_buf, acc_buf, meta.seq_row0, meta.seq_start, meta.seq_nq, meta.tile_seq, meta.tile_pos0,

@@ -3,17 +3,31 @@
 NOTE(invariance), by construction:
 
 * The tile configuration (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, warps,
-  stages) is a function of the weight's shape ``(N, K)``, the dtype and the
-  GPU model only (:func:`gemm_config`: a measured table, ``gemm_tuned.json``,
-  else a fixed rule). The number of rows ``M`` changes the grid, never the
-  kernel: a row computed in a 1-row decode and in a 4000-row prefill runs the
-  same compiled code (``M`` is not specialised).
-* No split-K: one program owns an output tile and walks ``K`` from 0 upwards in
-  ``BLOCK_K`` steps, accumulating in float32 in that order. Output element
+  stages) and the split of ``K`` are functions of the weight's shape
+  ``(N, K)``, the dtype and the GPU model only (:func:`gemm_config`: a
+  measured table, ``gemm_tuned.json``, else a fixed rule; :func:`split_blocks`).
+  The number of rows ``M`` changes the grid, never the arithmetic: a row
+  computed in a 1-row decode and in a 4000-row prefill runs the same sequence
+  of operations (``M`` is not specialised).
+* ``K`` is cut into splits at fixed boundaries (``SPLIT_BLOCKS`` blocks of
+  ``BLOCK_K`` from 0 upwards). Each split's partial sum starts at zero and
+  walks its blocks in order with ``tl.dot``, accumulating in float32; the
+  partials are then added to a zero total in split order. Output element
   ``(i, j)`` is therefore a fixed sequence of ``tl.dot`` steps over row ``i``
-  of ``x`` and row ``j`` of ``w``; the matrix instruction computes every
-  element of its tile the same way, so rows never interact and a row's
-  position inside its tile does not matter.
+  of ``x`` and row ``j`` of ``w`` and a fixed chain of float32 adds; the matrix
+  instruction computes every element of its tile the same way, so rows never
+  interact and a row's position inside its tile does not matter.
+* The splits run in one of two forms, a speed choice only (the same bits):
+  *walked*, one program per output tile going through every split in turn
+  (many tiles: prefill and large batches), or *parallel*, one program per
+  (tile, split) storing its float32 partial, the last of a tile's programs to
+  finish (an atomic counter) adding them up in split order (few tiles: a
+  GEMV-shaped decode step, where one program per tile would leave most of the
+  GPU idle). Both run the same partial-sum code and the same fold formula;
+  which program happens to fold changes nothing, since it reads every partial
+  from memory in split order. (vLLM and cuBLAS split K too, but choose the split by
+  the problem's ``M``, and may fold with atomics in arrival order: the reason their
+  rows depend on the batch.)
 * float32 models use ``input_precision="ieee"`` (no TF32 rounding of the
   inputs), bfloat16 models the tensor cores' bf16 x bf16 -> fp32 path.
 
@@ -34,11 +48,27 @@ import torch
 import triton
 import triton.language as tl
 
+from kvwarden.intmath import cdiv
+
 # Under Triton's CPU interpreter tl.dot is numpy's BLAS, whose result for a row depends on the row's
 # position in the tile; there the product is an element-wise multiply and an in-order sum instead,
 # so that CI checks the kernel's structure (tiles, masks, K order) with row-invariant arithmetic.
 # Compiled on a GPU, the matrix instruction treats every row of its tile alike.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The split of K (numerics: a function of the weight's shape and tile configuration only). A weight whose
+# K is at least SPLIT_FROM_K gets up to TARGET_PROGRAMS / (its output tiles) splits, each at least
+# MIN_SPLIT_K long (H100, bench/gemm_split.py --sweep: one program per tile walking 2,048-12,288 of K
+# left the GEMV-shaped launch latency-bound; splits of ~512 halved it; shorter ones, or splitting a
+# K of 1,024, gained nothing at one row and cost up to 1.5x at 2,048 rows).
+TARGET_PROGRAMS = 128  # about one wave of an H100's or H200's 132 SMs
+SPLIT_FROM_K = 2048
+MIN_SPLIT_K = 512
+# When the splits run in parallel (speed only): launches of fewer output tiles than this, whose float32
+# partials (written once, read once) cost at most PARTIAL_BYTES_PER_WEIGHT_BYTE of the weight's bytes.
+PARALLEL_MAX_TILES = 64
+PARTIAL_BYTES_PER_WEIGHT_BYTE = 1.0
+COUNTERS = 1024  # per-tile arrival counters a caller keeps zeroed (:func:`new_counters`)
 
 
 @dataclass(frozen=True)
@@ -81,48 +111,102 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, device_name: str = "") -> Ge
     return GemmConfig(64, block_n, block_k, 4, 3)
 
 
+def split_blocks(n: int, k: int, cfg: GemmConfig) -> int:
+    """Blocks of ``BLOCK_K`` per split of K: every split but the last has exactly this many.
+
+    A function of the weight's shape and configuration only (never of ``M``): it fixes the order of
+    the float32 adds. All of K (one split) when the weight has output tiles enough to fill the GPU.
+    """
+    k_blocks = cdiv(k, cfg.block_k)
+    splits = min(cdiv(TARGET_PROGRAMS, cdiv(n, cfg.block_n)), k // MIN_SPLIT_K) if k >= SPLIT_FROM_K else 1
+    return k_blocks if splits <= 1 else cdiv(k_blocks, splits)
+
+
+def splits_in_parallel(m: int, n: int, k: int, cfg: GemmConfig, elem_bytes: int) -> bool:
+    """Whether a launch runs its splits in parallel: several splits, few output tiles, and partials
+    cheap beside the weight's bytes. A speed choice only (module docstring)."""
+    nsplit = cdiv(cdiv(k, cfg.block_k), split_blocks(n, k, cfg))
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    partial_bytes = 8 * nsplit * m * n  # float32, written and read back
+    return (
+        nsplit > 1
+        and tiles < PARALLEL_MAX_TILES
+        and partial_bytes <= PARTIAL_BYTES_PER_WEIGHT_BYTE * n * k * elem_bytes
+    )
+
+
+def new_counters(device: torch.device | str) -> torch.Tensor:
+    """Arrival counters for the parallel form: zero, and every launch leaves them zero."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K: tl.constexpr):
+    """``acc += x[rm, k0:k0+BLOCK_K] @ w[rn, k0:k0+BLOCK_K].T``, in float32."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+    w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+    if BY_SUM:  # the interpreter (see INTERPRETED)
+        acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+    elif IEEE:
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
+def _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS):
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    IEEE: tl.constexpr,
-    BY_SUM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BY_SUM: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    PARALLEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
-        )
-        w = tl.load(
-            w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0
-        )
-        if BY_SUM:  # the interpreter (see INTERPRETED)
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-        elif IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_BLOCKS == 0:  # one split (all of K): the partial is the total, walked with the loop pipelined
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+        _store(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    elif not PARALLEL:  # walked: one loop over K (pipelined); a split's partial joins the total where it ends
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+            end = ((k0 + BLOCK_K) % (SPLIT_BLOCKS * BLOCK_K) == 0) | (k0 + BLOCK_K >= K)
+            total = tl.where(end, total + acc, total)
+            acc = tl.where(end, 0.0, acc)  # the next split's partial starts from zero, as in its own program
+        _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+    else:  # parallel: this program's split, stored; the tile's last program to arrive folds them in order
+        split = tl.program_id(2)
+        nsplit = tl.num_programs(2)
+        k_lo = split * (SPLIT_BLOCKS * BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + SPLIT_BLOCKS * BLOCK_K, K), BLOCK_K):
+            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        row_n = rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptr + split * M * N + row_n, acc, mask=mask)  # split * M * N: bounded (splits_in_parallel)
+        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release below)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == nsplit - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(0, nsplit):  # split order, whichever program folds
+                part = tl.load(part_ptr + j * M * N + row_n, mask=mask, other=0.0, cache_modifier=".cg")
+                total = total + part
+            tl.atomic_xchg(count_ptr + tile, 0)  # zero again for the next launch (a CUDA graph replays it)
+            _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 @functools.cache
@@ -130,36 +214,67 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T (+ bias)`` in ``x``'s dtype, row-invariant by construction."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: GemmConfig,
+    parallel: bool = False,
+    counters: torch.Tensor | None = None,
+    blocks: int | None = None,
+) -> torch.Tensor:
+    """One GEMM with an explicit configuration (``linear`` chooses it; ``bench/tune_gemm.py`` tries them).
+
+    ``blocks`` overrides :func:`split_blocks` (``bench/gemm_split.py`` times the unsplit kernel with it):
+    the engine never passes it, since it changes the bits.
+    """
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = gemm_config(n, k, x.dtype, _device_name(x.device))
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    blocks = split_blocks(n, k, cfg) if blocks is None else blocks
+    nsplit = cdiv(cdiv(k, cfg.block_k), blocks)
+    blocks = blocks if nsplit > 1 else 0  # 0: one split, the kernel's plain loop
+    grid: tuple[int, ...] = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    parallel = parallel and nsplit > 1
+    part = y  # unused unless parallel
+    if parallel:
+        if grid[0] * grid[1] > COUNTERS:
+            raise ValueError(f"a parallel split GEMM of {grid[0] * grid[1]} tiles exceeds {COUNTERS} counters")
+        counters = new_counters(x.device) if counters is None else counters
+        part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x.device)
+        grid = (*grid, nsplit)
     _linear_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else y,
-        y,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        IEEE=x.dtype == torch.float32,
-        BY_SUM=INTERPRETED,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x, weight, bias if bias is not None else y, y, part, counters if counters is not None else y,
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BY_SUM=INTERPRETED, SPLIT_BLOCKS=blocks,
+        PARALLEL=parallel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return y
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    parallel: bool | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias)`` in ``x``'s dtype, row-invariant by construction.
+
+    Args:
+        counters: zeroed arrival counters (:func:`new_counters`) that let a launch with few output
+            tiles run its splits of K in parallel; without them the splits are walked.
+        parallel: force the form (tests); ``None`` chooses by the launch. The bits are the same.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = gemm_config(n, k, x.dtype, _device_name(x.device))
+    if parallel is None:
+        parallel = counters is not None and splits_in_parallel(m, n, k, cfg, x.element_size())
+    return launch(x, weight, bias, cfg, parallel, counters)
