@@ -9,6 +9,7 @@ also timed as a CUDA-graph replay (CUDA events), which is what serving runs.
     python bench/gpu_profile.py                      # on a GPU: qwen3-0.6b
     python bench/gpu_profile.py --model builtin:qwen3_next-0.6b    # the hybrid (256-token blocks)
     python bench/gpu_profile.py --device cpu --dtype float32 --model builtin:llama-tiny --chunk 256 --batch 4
+    python bench/gpu_profile.py --model builtin:glm_moe_dsa-0.6b --batch 1 --context 4096   # sparse attention
 
 Ends with one JSON line.
 """
@@ -32,6 +33,10 @@ PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core rate (the data sheet
 GROUPS = (
     ("GEMM", ("_linear_kernel", "gemm", "cutlass", "sm90_xmma", "ampere", "aten::mm", "aten::addmm")),
     ("attention", ("_attention",)),
+    # sparse attention (GLM-5, DeepSeek-V3.2): the indexer's scores, the deterministic top-k, latent attention
+    ("sparse: indexer scores", ("_index_scores",)),
+    ("sparse: top-k", ("_radix_select", "_split_count", "_split_compact")),
+    ("sparse: latent attention", ("_latent_attention",)),
     ("recurrent scan", ("_gated_delta", "_gdn_", "_ring_write", "_mamba2")),
     ("conv", ("_conv_kernel", "_window_kernel")),
     ("MoE experts", ("_gate_up", "_down_kernel", "_combine")),
@@ -49,8 +54,9 @@ def group_of(name: str) -> str:
     return next((g for g, keys in GROUPS if any(k.lower() in low for k in keys)), "other")
 
 
-def kernel_times(step: Any, device: str) -> dict[str, tuple[float, int]]:
-    """Seconds and launches per kernel group of one call of ``step`` (profiler, device time)."""
+def kernel_times(step: Any, device: str, top: int = 12) -> tuple[dict[str, tuple[float, int]], list]:
+    """Seconds and launches per kernel group of one call of ``step`` (profiler, device time), and the
+    ``top`` kernels by time as ``(name, seconds, launches)``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -58,6 +64,7 @@ def kernel_times(step: Any, device: str) -> dict[str, tuple[float, int]]:
         step()
         sync(device)
     out: dict[str, tuple[float, int]] = {}
+    named: list[tuple[str, float, int]] = []
     for evt in prof.key_averages():
         t = getattr(evt, "self_device_time_total", 0) if device == "cuda" else evt.self_cpu_time_total
         if device == "cuda" and getattr(evt, "device_type", None) is not None and "CUDA" not in str(evt.device_type):
@@ -67,7 +74,8 @@ def kernel_times(step: Any, device: str) -> dict[str, tuple[float, int]]:
         g = group_of(evt.key)
         s, n = out.get(g, (0.0, 0))
         out[g] = (s + t / 1e6, n + evt.count)
-    return out
+        named.append((evt.key[:70], t / 1e6, evt.count))
+    return out, sorted(named, key=lambda x: -x[1])[:top]
 
 
 def ceilings(phase: dict[str, Any], params: int, head: int, kv_per_token: int, bw: float) -> dict[str, tuple]:
@@ -124,7 +132,7 @@ def main() -> None:
             core.add_request([rng.randrange(3, vocab) for _ in range(args.chunk)], SamplingParams(max_tokens=1))
             phase = {"rows": args.chunk, "sampled": 1, "keys": args.chunk, "pairs": args.chunk * (args.chunk + 1) // 2}
             phase["attn_flops_per_pair"], phase["act_per_row"] = attn_pair, act
-            phase["kernels"] = kernel_times(core.step, args.device)
+            phase["kernels"], phase["top"] = kernel_times(core.step, args.device)
             phase["ceilings"] = ceilings(phase, params, m.lm_head.numel(), kv_per_token, bw)
             result["prefill_chunk"] = phase
         for _ in range(args.batch):
@@ -144,7 +152,7 @@ def main() -> None:
                 "attn_flops_per_pair": attn_pair,
                 "act_per_row": act,
             }
-            phase["kernels"] = kernel_times(core.step, args.device)
+            phase["kernels"], phase["top"] = kernel_times(core.step, args.device)
             phase["ceilings"] = ceilings(phase, params, m.lm_head.numel(), kv_per_token, bw)
             result["decode_step"] = phase
         times = []
@@ -187,6 +195,9 @@ def render(result: dict[str, Any], bw: float) -> str:
             c = phase["ceilings"].get(g)
             ceil = f"{c[0] * 1e3:.3f} | {c[1] * 1e3:.3f}" if c else "- | -"
             lines.append(f"| {g} | {n} | {t * 1e3:.3f} | {t / total:.0%} | {ceil} |")
+        lines.append(f"the {len(phase.get('top', []))} costliest kernels of the {title}:")
+        for name, t, n in phase.get("top", []):
+            lines.append(f"  {t * 1e3:8.3f} ms  {n:5d} x  {name}")
     for mode in ("eager", "graph"):
         if f"decode_step_s_{mode}" in result:
             lines.append(f"decode step, {mode}, whole step: {result[f'decode_step_s_{mode}'] * 1e3:.2f} ms")

@@ -69,7 +69,7 @@ def gpu_busy(core: Any, device: str) -> float:
         return 0.0
     from gpu_profile import kernel_times
 
-    return sum(t for t, _ in kernel_times(core.step, device).values())
+    return sum(t for t, _ in kernel_times(core.step, device)[0].values())
 
 
 def top_functions(prof: cProfile.Profile, key: str, n: int) -> list[dict[str, Any]]:

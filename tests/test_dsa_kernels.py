@@ -5,6 +5,7 @@ from explicit generators, then moved)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvwarden.layers import sparse_attention as ref
@@ -60,3 +61,25 @@ def test_latent_attention_kernel_matches_the_reference_and_is_invariant() -> Non
     for i in range(t):
         alone = sparse.latent_attention(q[i : i + 1], latent, selected[i : i + 1], visible[i : i + 1], r, 0.2)
         assert torch.equal(alone[0], got[i])
+
+
+@pytest.mark.parametrize("split", [sparse.SPLIT_CANDIDATES, 32])  # 32: three splits, one all invisible for row 0
+def test_latent_attention_splits_give_the_same_bits_walked_or_in_parallel(
+    split: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sparse, "SPLIT_CANDIDATES", split)
+    g = torch.Generator().manual_seed(2)
+    t, h, r, rope, k = 3, 20, 32, 8, 70  # 20 heads: two head blocks, the second partly padding; rope < 16: padded
+    latent, order = _cache(g, 128, r + rope)
+    q = torch.randn(t, h, r + rope, generator=g)
+    selected = torch.stack([order[torch.randperm(128, generator=g)[:k]] for _ in range(t)])
+    visible = torch.ones(t, k, dtype=torch.bool)
+    visible[0, 20:] = False  # candidates 32-69 invisible: the later splits are the fold's identity
+    want = ref.latent_attention(q, latent[selected], visible, r, 0.3, torch.exp).to(DEVICE)
+    q, latent, selected, visible = _on(q, latent, selected, visible)
+    walked = sparse.latent_attention(q, latent, selected, visible, r, 0.3, parallel=False)
+    assert (walked - want).abs().max().item() < 1e-5
+    assert torch.equal(sparse.latent_attention(q, latent, selected, visible, r, 0.3, parallel=True), walked)
+    for i in range(t):  # alone (the parallel form, chosen for a small launch) = in the batch
+        alone = sparse.latent_attention(q[i : i + 1], latent, selected[i : i + 1], visible[i : i + 1], r, 0.3)
+        assert torch.equal(alone[0], walked[i])

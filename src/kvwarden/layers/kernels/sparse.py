@@ -13,10 +13,16 @@ NOTE(invariance), by construction:
   tile has the same shape and a key's column in it does not change its arithmetic (compiled ``tl.dot``
   treats every column of its tile alike; under the interpreter the product is an element-wise multiply
   and an in-order sum, as in ``kernels/gemm.py``). Positions past the query score ``-inf``.
-* ``latent_attention``: one program per (query, block of ``HB`` heads), the query's ``K`` candidates
-  walked in selection (column) order in tiles of ``BK`` with an online softmax: the tile size is a constant, the walk
-  order is the selection's (a function of the scores alone), invisible candidates get ``exp(-inf) = 0``.
-  The result of a query does not depend on the other queries of the launch.
+* ``latent_attention``: per (query, block of ``HB`` heads), the query's ``K`` candidates in selection
+  (column) order, cut into splits of ``SPLIT_CANDIDATES`` at fixed boundaries (0, S, 2S, ...) and walked
+  in tiles of ``BK`` with an online softmax per split; the splits' states are then folded in split order
+  by one formula (``attention._merge``). A score is the latent part's product plus the rotary part's
+  (two fixed-shape products, no padding of the 576-wide row to 1,024); the values are the latent part
+  only. Tile and split sizes are constants, the order is the selection's (a function of the scores
+  alone), invisible candidates get ``exp(-inf) = 0`` and an all-invisible split is the fold's identity.
+  As for paged attention, the splits run walked in one program or in parallel (one program per split,
+  then a fold; decode-sized launches), with the same state function and fold: a speed choice only. The
+  result of a query does not depend on the other queries of the launch.
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvwarden.layers.kernels.attention import _merge
 from kvwarden.layers.kernels.gemm import INTERPRETED
 
 BLOCK_KEYS = 32  # key positions per index-score tile
 BLOCK_CANDIDATES = 32  # selected candidates per attention tile
+SPLIT_CANDIDATES = 256  # candidates per split (a multiple of BLOCK_CANDIDATES): fixed boundaries, folded in order
+HEADS_PER_PROGRAM = 16  # a tile's query heads (the matrix product's smallest row count)
+FEW_PROGRAMS = 128  # launches of fewer (query, head block) programs than this run their splits in parallel
 
 
 @triton.jit
@@ -88,30 +98,40 @@ def index_scores(
     return out
 
 
-@triton.jit(do_not_specialize=["T", "K"])
-def _latent_attention_kernel(
-    q_ptr, lat_ptr, sel_ptr, vis_ptr, out_ptr, T, K, scale,
-    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr,
-    DOT: tl.constexpr,
+@triton.jit
+def _latent_q(q_ptr, t, h, H, L, R: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr):
+    """A query's ``[HB, RP]`` latent part and ``[HB, EP]`` rotary part (a row is ``L = R + rope`` wide)."""
+    cr, er = tl.arange(0, RP), tl.arange(0, EP)
+    row = (t.to(tl.int64) * H + h[:, None]) * L
+    hmask = h[:, None] < H
+    q_c = tl.load(q_ptr + row + cr[None, :], mask=hmask & (cr[None, :] < R), other=0.0)
+    q_r = tl.load(q_ptr + row + R + er[None, :], mask=hmask & (er[None, :] < L - R), other=0.0)
+    return q_c, q_r
+
+
+@triton.jit
+def _candidates_state(
+    q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split0, scale, L,
+    R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr, BK: tl.constexpr,
+    SPLIT_: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)
-    c = tl.arange(0, LP)
-    hmask = h < H
-    qmask = hmask[:, None] & (c[None, :] < L)
-    q = tl.load(q_ptr + (t.to(tl.int64) * H + h[:, None]) * L + c[None, :], mask=qmask, other=0.0)
+    """Online-softmax state (max, sum, latent accumulator) of one split: candidates ``[split0, split0 + SPLIT_)``."""
+    cr, er = tl.arange(0, RP), tl.arange(0, EP)
     m = tl.full((HB,), float("-inf"), tl.float32)
     s_sum = tl.zeros((HB,), tl.float32)
-    acc = tl.zeros((HB, LP), tl.float32)
-    for k0 in range(0, K, BK):  # NOTE(invariance): fixed tiles in selection order
+    acc = tl.zeros((HB, RP), tl.float32)
+    for k0 in range(split0, tl.minimum(split0 + SPLIT_, K), BK):  # NOTE(invariance): fixed tiles in selection order
         kk = k0 + tl.arange(0, BK)
         kin = kk < K
         base = t.to(tl.int64) * K + kk
         vis = (tl.load(vis_ptr + base, mask=kin, other=0) != 0) & kin
         slot = tl.load(sel_ptr + base, mask=kin, other=0).to(tl.int64)
-        rows = tl.load(lat_ptr + slot[:, None] * L + c[None, :], mask=vis[:, None] & (c[None, :] < L), other=0.0)
-        rows = rows.to(tl.float32)
-        s = _product(q, rows, DOT) * scale
+        rows_c = tl.load(lat_ptr + slot[:, None] * L + cr[None, :], mask=vis[:, None] & (cr[None, :] < R), other=0.0)
+        rows_r = tl.load(
+            lat_ptr + slot[:, None] * L + R + er[None, :], mask=vis[:, None] & (er[None, :] < L - R), other=0.0
+        )
+        rows_c = rows_c.to(tl.float32)
+        s = (_product(q_c, rows_c, DOT) + _product(q_r, rows_r.to(tl.float32), DOT)) * scale
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -119,18 +139,89 @@ def _latent_attention_kernel(
         alpha = tl.exp(m - m_use)
         s_sum = s_sum * alpha + tl.sum(p, axis=1)
         if DOT:
-            pv = tl.dot(p, rows, input_precision="ieee")
+            pv = tl.dot(p, rows_c, input_precision="ieee")
         else:
-            pv = tl.sum(p[:, :, None] * rows[None, :, :], axis=1)
+            pv = tl.sum(p[:, :, None] * rows_c[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    return m, s_sum, acc
+
+
+@triton.jit
+def _store_out(out_ptr, t, h, acc, s_sum, H, R: tl.constexpr, RP: tl.constexpr):
+    cr = tl.arange(0, RP)
     out = acc / s_sum[:, None]
-    tl.store(out_ptr + (t.to(tl.int64) * H + h[:, None]) * R + c[None, :], out, mask=hmask[:, None] & (c[None, :] < R))
+    tl.store(
+        out_ptr + (t.to(tl.int64) * H + h[:, None]) * R + cr[None, :], out, mask=(h[:, None] < H) & (cr[None, :] < R)
+    )
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _latent_attention_kernel(
+    q_ptr, lat_ptr, sel_ptr, vis_ptr, out_ptr, T, K, scale,
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr,
+    BK: tl.constexpr, SPLIT_: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Walked: one program per (query, head block), every split in turn, folded as it finishes."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
+    q_c, q_r = _latent_q(q_ptr, t, h, H, L, R, RP, EP)
+    m_t = tl.full((HB,), float("-inf"), tl.float32)
+    l_t = tl.zeros((HB,), tl.float32)
+    acc_t = tl.zeros((HB, RP), tl.float32)
+    for split0 in range(0, K, SPLIT_):
+        m_s, l_s, acc_s = _candidates_state(
+            q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split0, scale, L, R, HB, RP, EP, BK, SPLIT_, DOT
+        )
+        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
+    _store_out(out_ptr, t, h, acc_t, l_t, H, R, RP)
+
+
+@triton.jit(do_not_specialize=["T", "K", "NSPLIT"])
+def _latent_split_kernel(
+    q_ptr, lat_ptr, sel_ptr, vis_ptr, m_ptr, l_ptr, acc_ptr, T, K, NSPLIT, scale,
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr,
+    BK: tl.constexpr, SPLIT_: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Parallel: one program per (query, head block, split), its state stored for the fold."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    h = hb * HB + tl.arange(0, HB)
+    q_c, q_r = _latent_q(q_ptr, t, h, H, L, R, RP, EP)
+    m_s, l_s, acc_s = _candidates_state(
+        q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split * SPLIT_, scale, L, R, HB, RP, EP, BK, SPLIT_, DOT
+    )
+    base = ((t.to(tl.int64) * tl.num_programs(1) + hb) * NSPLIT + split) * HB + tl.arange(0, HB)
+    tl.store(m_ptr + base, m_s)
+    tl.store(l_ptr + base, l_s)
+    tl.store(acc_ptr + base[:, None] * RP + tl.arange(0, RP)[None, :], acc_s)
+
+
+@triton.jit(do_not_specialize=["T", "NSPLIT"])
+def _latent_fold_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, T, NSPLIT,
+    H: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr,
+):  # fmt: skip
+    """Parallel: the stored split states of a (query, head block) folded in split order."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    h = hb * HB + tl.arange(0, HB)
+    m_t = tl.full((HB,), float("-inf"), tl.float32)
+    l_t = tl.zeros((HB,), tl.float32)
+    acc_t = tl.zeros((HB, RP), tl.float32)
+    for split in range(0, NSPLIT):
+        base = ((t.to(tl.int64) * tl.num_programs(1) + hb) * NSPLIT + split) * HB + tl.arange(0, HB)
+        m_s = tl.load(m_ptr + base)
+        l_s = tl.load(l_ptr + base)
+        acc_s = tl.load(acc_ptr + base[:, None] * RP + tl.arange(0, RP)[None, :])
+        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
+    _store_out(out_ptr, t, h, acc_t, l_t, H, R, RP)
 
 
 def latent_attention(
     q: torch.Tensor, latent: torch.Tensor, selected: torch.Tensor, visible: torch.Tensor, kv_lora_rank: int,
-    scale: float,
+    scale: float, parallel: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``[T, H, r]`` float32: each query's attention-weighted latent over its selected cache rows.
 
@@ -140,18 +231,36 @@ def latent_attention(
         selected: ``[T, K]`` cache slots of each query's candidates in column order.
         visible: ``[T, K]`` which candidates it may attend to (the first always).
         kv_lora_rank: ``r``; scale: the softmax scale.
+        parallel: run each split in its own program, then fold (``None``: when the launch has few
+            (query, head block) programs, as a decode step has). The same bits either way.
     """
     t, h, width = q.shape
     k = selected.shape[1]
     out = torch.empty((t, h, kv_lora_rank), dtype=torch.float32, device=q.device)
-    if t:
-        hb = 16
-        grid = (t, triton.cdiv(h, hb))
-        _latent_attention_kernel[grid](
-            q.contiguous(), latent.contiguous(), selected.contiguous(), visible.to(torch.int8).contiguous(), out,
-            t, k, scale, H=h, L=width, R=kv_lora_rank, HB=hb, LP=triton.next_power_of_2(width), BK=BLOCK_CANDIDATES,
-            DOT=not INTERPRETED, num_stages=1,
-        )  # fmt: skip
-        # num_stages=1: GLM-5's 576-wide latent rows in bfloat16 overflowed the H200's shared memory when
-        # Triton pipelined the candidate loads (264 KB of 232); the stages change scheduling, not arithmetic
+    if not t:
+        return out
+    hb = HEADS_PER_PROGRAM
+    heads = triton.cdiv(h, hb)
+    # padded widths of the latent and rotary parts (16 at least: a matrix product's smallest inner size)
+    rp, ep = (max(16, triton.next_power_of_2(n)) for n in (kv_lora_rank, width - kv_lora_rank))
+    nsplit = triton.cdiv(k, SPLIT_CANDIDATES)
+    if parallel is None:
+        parallel = nsplit > 1 and t * heads < FEW_PROGRAMS
+    args = (q.contiguous(), latent.contiguous(), selected.contiguous(), visible.to(torch.int8).contiguous())
+    const = dict(H=h, L=width, R=kv_lora_rank, HB=hb, RP=rp, EP=ep, BK=BLOCK_CANDIDATES, SPLIT_=SPLIT_CANDIDATES)
+    # num_stages=1: GLM-5's latent rows in bfloat16 overflowed the H200's shared memory when Triton pipelined
+    # the candidate loads (264 KB of 232); stages and warps change scheduling, never arithmetic
+    if not parallel:
+        _latent_attention_kernel[(t, heads)](
+            *args, out, t, k, scale, **const, DOT=not INTERPRETED, num_warps=8, num_stages=1
+        )
+        return out
+    states = t * heads * nsplit * hb
+    m_buf = torch.empty((states,), dtype=torch.float32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    acc_buf = torch.empty((states, rp), dtype=torch.float32, device=q.device)
+    _latent_split_kernel[(t, heads, nsplit)](
+        *args, m_buf, l_buf, acc_buf, t, k, nsplit, scale, **const, DOT=not INTERPRETED, num_warps=8, num_stages=1
+    )
+    _latent_fold_kernel[(t, heads)](m_buf, l_buf, acc_buf, out, t, nsplit, H=h, R=kv_lora_rank, HB=hb, RP=rp)
     return out
