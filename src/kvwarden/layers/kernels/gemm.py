@@ -23,11 +23,13 @@ NOTE(invariance), by construction:
   (tile, split) storing its float32 partial, the last of a tile's programs to
   finish (an atomic counter) adding them up in split order (few tiles: a
   GEMV-shaped decode step, where one program per tile would leave most of the
-  GPU idle). Both run the same partial-sum code and the same fold formula;
-  which program happens to fold changes nothing, since it reads every partial
-  from memory in split order. (vLLM and cuBLAS split K too, but choose the split by
-  the problem's ``M``, and may fold with atomics in arrival order: the reason their
-  rows depend on the batch.)
+  GPU idle). Both compute a split's partial the same way (from an exact zero,
+  its blocks in order through the same ``_mac``) and fold with the same
+  formula; which program happens to fold changes nothing, since it reads every
+  partial from memory in split order. (cuBLAS splits K too, but chooses the
+  split from the whole problem shape, ``M`` included, and split-K kernels that
+  fold with atomic adds sum in arrival order: either makes a row depend on the
+  batch.)
 * float32 models use ``input_precision="ieee"`` (no TF32 rounding of the
   inputs), bfloat16 models the tensor cores' bf16 x bf16 -> fp32 path.
 
