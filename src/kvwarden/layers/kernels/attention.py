@@ -225,7 +225,9 @@ def key_tile(rows: int, block_d: int) -> int:
 
     64 keys a tile where the tile's rows x head fit (Qwen3-0.6B's 32 x 128: on an H100 a decode step of
     64 requests over 512 keys took 71 us against 85 with 32, a 2,048-token prefill 202 against 281;
-    ``bench/attention_tiles.py``), else 32 (Qwen3-Next's 128 rows x 256 would spill registers).
+    ``bench/attention_tiles.py``), else 32, the tile measured before. Larger tiles were not measured at 64
+    keys: GQA 4 at head 128 (Llama-3-8B, Qwen3-8B: 64 x 128) may gain too (``--heads 32,8,128``);
+    Qwen3-Next's 128 x 256 already holds a thread's 255 registers in its accumulator at 4 warps.
     NOTE(invariance): the tile moves the online softmax's rescale points, so it is fixed per model.
     """
     return BLOCK_N_WIDE if rows * block_d <= WIDE_MAX_ELEMENTS else BLOCK_N
