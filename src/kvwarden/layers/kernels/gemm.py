@@ -143,18 +143,25 @@ def new_counters(device: torch.device | str) -> torch.Tensor:
 
 
 @triton.jit
-def _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K: tl.constexpr):
-    """``acc += x[rm, k0:k0+BLOCK_K] @ w[rn, k0:k0+BLOCK_K].T``, in float32."""
-    rk = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-    w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-    if BY_SUM:  # the interpreter (see INTERPRETED)
+def dot_acc(x, w, acc, BY_SUM: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + x @ w`` in float32: the one accumulation step of every row-invariant product (this GEMM,
+    the MoE experts'). Under the interpreter an in-order multiply-and-sum (see INTERPRETED)."""
+    if BY_SUM:
         acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
     elif IEEE:
         acc = tl.dot(x, w, acc, input_precision="ieee")
     else:
         acc = tl.dot(x, w, acc)
     return acc
+
+
+@triton.jit
+def _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K: tl.constexpr):
+    """``acc += x[rm, k0:k0+BLOCK_K] @ w[rn, k0:k0+BLOCK_K].T``, in float32."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+    w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+    return dot_acc(x, w, acc, BY_SUM, IEEE)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvwarden.layers.kernels.gemm import INTERPRETED
+from kvwarden.layers.kernels.gemm import INTERPRETED, dot_acc
 
 STEPS = 24  # binary-search steps: enough for 16M pairs (a constant: no recompiles as the batch changes)
 
@@ -52,17 +52,6 @@ def _block_nk(n: int, k: int, dtype: torch.dtype) -> tuple[int, int]:
     if dtype == torch.float32:
         bk = min(bk, 32)
     return bn, bk
-
-
-@triton.jit
-def _dot(x, w, acc, BY_SUM: tl.constexpr, IEEE: tl.constexpr):
-    if BY_SUM:  # the interpreter: an in-order multiply-and-sum (see kernels/gemm.py)
-        acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-    elif IEEE:
-        acc = tl.dot(x, w, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(x, w, acc)
-    return acc
 
 
 @triton.jit
@@ -101,8 +90,8 @@ def _gate_up_kernel(
             wmask = nmask[None, :] & kmask[:, None]
             wg = tl.load(w_base + rn[None, :] * H + rk[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_base + (INTER + rn[None, :]) * H + rk[:, None], mask=wmask, other=0.0)
-            acc_g = _dot(x, wg, acc_g, BY_SUM, IEEE)
-            acc_u = _dot(x, wu, acc_u, BY_SUM, IEEE)
+            acc_g = dot_acc(x, wg, acc_g, BY_SUM, IEEE)
+            acc_u = dot_acc(x, wu, acc_u, BY_SUM, IEEE)
         out_ty = act_ptr.dtype.element_ty
         gate = acc_g.to(out_ty).to(tl.float32)
         up = acc_u.to(out_ty)
@@ -131,7 +120,7 @@ def _down_kernel(
                 act_ptr + sorted_idx[:, None] * INTER + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0
             )
             w = tl.load(w_base + rn[None, :] * INTER + rk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-            acc = _dot(a, w, acc, BY_SUM, IEEE)
+            acc = dot_acc(a, w, acc, BY_SUM, IEEE)
         out_ty = out_ptr.dtype.element_ty
         rw = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         y = (acc.to(out_ty).to(tl.float32) * rw[:, None]).to(out_ty)
