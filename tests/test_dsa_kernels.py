@@ -83,3 +83,42 @@ def test_latent_attention_splits_give_the_same_bits_walked_or_in_parallel(
     for i in range(t):  # alone (the parallel form, chosen for a small launch) = in the batch
         alone = sparse.latent_attention(q[i : i + 1], latent, selected[i : i + 1], visible[i : i + 1], r, 0.3)
         assert torch.equal(alone[0], walked[i])
+
+
+def test_bfloat16_caches_take_the_low_precision_products_with_the_same_invariance() -> None:
+    """A bfloat16 model's caches: queries and probabilities rounded to bfloat16, float32 accumulation;
+    close to the float32 reference, and a query's bits still the same alone, batched, walked or parallel."""
+    g = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    # indexer scores: bfloat16-valued queries (as the model's rotary gives them) over a bfloat16 key cache
+    t, h, d, ctx = 6, 4, 32, 20
+    keys, order = _cache(g, 32, d)
+    keys = keys.to(bf)
+    q, w = torch.randn(t, h, d, generator=g).to(bf).float(), torch.randn(t, h, generator=g)
+    table, start = order[:ctx].view(1, ctx), ctx - t
+    req, pos = torch.zeros(t, dtype=torch.int32), torch.arange(start, ctx, dtype=torch.int32)
+    want = ref.index_scores(q, keys.float()[order[:ctx]], w, d**-0.5, start).to(DEVICE)
+    q, w, keys, table, req, pos = _on(q, w, keys, table, req, pos)
+    got = sparse.index_scores(q, w, keys, table, req, pos, d**-0.5)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert (got[finite] - want[finite]).abs().max().item() < 1e-4  # exact products, float32 sums
+    alone = sparse.index_scores(q[2:3], w[2:3], keys, table, req[2:3], pos[2:3], d**-0.5)
+    assert torch.equal(alone[0], got[2])
+    # latent attention: the probabilities rounded to bfloat16 for P @ V (relative error ~2^-8)
+    t, h, r, rope, k = 3, 16, 32, 16, 70
+    latent, order = _cache(g, 128, r + rope)
+    latent = latent.to(bf)
+    q = torch.randn(t, h, r + rope, generator=g).to(bf).float()
+    selected = torch.stack([order[torch.randperm(128, generator=g)[:k]] for _ in range(t)])
+    visible = torch.ones(t, k, dtype=torch.bool)
+    visible[1, 40:] = False  # the second query's later tiles are skipped
+    want = ref.latent_attention(q, latent.float()[selected], visible, r, 0.2, torch.exp).to(DEVICE)
+    q, latent, selected, visible = _on(q, latent, selected, visible)
+    walked = sparse.latent_attention(q, latent, selected, visible, r, 0.2, parallel=False)
+    assert (walked - want).abs().max().item() < 2e-2
+    assert (walked - want).abs().max().item() > 0  # the rounding really happened (not the float32 path)
+    assert torch.equal(sparse.latent_attention(q, latent, selected, visible, r, 0.2, parallel=True), walked)
+    for i in range(t):
+        alone = sparse.latent_attention(q[i : i + 1], latent, selected[i : i + 1], visible[i : i + 1], r, 0.2)
+        assert torch.equal(alone[0], walked[i])

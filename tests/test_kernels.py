@@ -15,7 +15,7 @@ import struct
 import pytest
 import torch
 
-from kvwarden.layers.kernels import attention, gemm, pointwise, rotary, rows
+from kvwarden.layers.kernels import attention, gemm, gemm_forms, pointwise, rotary, rows
 from kvwarden.layers.rotary import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,6 +76,47 @@ def test_gemm_splits_of_k_give_the_same_bits_walked_or_in_parallel(dtype: torch.
     assert same(gemm.linear(x[:1], w, b, counters=counters), walked[:1])  # the form the engine chooses
     unsplit = gemm.launch(x, w, b, cfg, blocks=k_blocks)  # one sum over all of K: other bits, same product
     assert close(unsplit, x.double() @ w.double().T + b.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(24, 40), (20, 2048)])  # 2048: every head's K is split
+def test_gemm_by_head_gives_each_head_the_bits_of_its_own_launch(dtype: torch.dtype, n: int, k: int) -> None:
+    """MLA's absorbed projections: one launch over every head of a strided view, each head as its own GEMM."""
+    g = gen(3)
+    heads = 3
+    wide = rand(g, 9, heads, k + 8, dtype=dtype)  # a head's row is a slice of a wider one (q_nope of q)
+    x, w = wide[..., :k], rand(g, heads, n, k, dtype=dtype)
+    counters = gemm.new_counters(DEVICE)
+    y = gemm_forms.linear_heads(x, w, counters=counters)
+    assert y.shape == (9, heads, n)
+    for h in range(heads):
+        alone = gemm.linear(x[:, h].contiguous(), w[h], parallel=False)
+        assert same(y[:, h], alone)
+        assert close(y[:, h], x[:, h].double() @ w[h].double().T, dtype)
+        assert same(gemm_forms.linear_heads(x[:1], w, counters=counters)[:, h], alone[:1])  # one row: the parallel form
+    assert int(counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="linear_heads"):
+        gemm_forms.linear_heads(x[:, :2], w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("inter", "k"), [(40, 48), (100, 2048), (8, 32)])  # unsplit; split K; too narrow to fuse
+def test_swiglu_in_the_gemm_epilogue_gives_the_unfused_bits(dtype: torch.dtype, inter: int, k: int) -> None:
+    """The MLP's gate/up GEMM with SwiGLU fused: linear() then silu_mul(), bit for bit, walked or split."""
+    g = gen(4)
+    x, w, b = rand(g, 37, k, dtype=dtype), rand(g, 2 * inter, k, dtype=dtype), rand(g, 2 * inter, dtype=dtype)
+    counters = gemm.new_counters(DEVICE)
+    for bias in (None, b):
+        gate_up = gemm.linear(x, w, bias, parallel=False)
+        want = pointwise.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+        fused = gemm_forms.linear_swiglu(x, w, bias, counters=counters)
+        assert fused.shape == (37, inter)
+        assert same(fused, want)
+        for m in (1, 3):  # few rows: the parallel form where K is split
+            assert same(gemm_forms.linear_swiglu(x[:m], w, bias, counters=counters), want[:m])
+    assert int(counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="even row count"):
+        gemm_forms.linear_swiglu(x, w[:-1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -74,6 +74,9 @@ class CudaOps(Ops):
         # cuBLAS chooses its algorithm (split-K included) from the problem shape: the real thing.
         return torch.nn.functional.linear(x, weight, bias)
 
+    def linear_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # cuBLAS's batched GEMM
+
     def new_kv_cache(self, slots: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (
             torch.zeros(slots, heads, dim, dtype=dtype, device=self.device),
@@ -142,9 +145,10 @@ class TritonOps(CudaOps):
         # state pool's rings).
         self.scan_mode = "grid" if config.recurrent_scan == "chunked" else "recurrent"
         # Imported here: the kernels need Triton, which a CPU-only install may lack.
-        from kvwarden.layers.kernels import attention, gemm, pointwise, recurrent_grid, rotary, ssd_grid
+        from kvwarden.layers.kernels import attention, gemm, gemm_forms, pointwise, recurrent_grid, rotary, ssd_grid
 
         self.k_attention, self.k_gemm, self.k_pointwise, self.k_rotary = attention, gemm, pointwise, rotary
+        self.k_gemm_forms = gemm_forms
         self.k_grid, self.k_ssd = recurrent_grid, ssd_grid
         # Arrival counters that let GEMV-shaped launches run their fixed splits of K in parallel (speed only:
         # kernels/gemm.py). One stream runs this backend's launches in turn, and each leaves them zero.
@@ -173,6 +177,13 @@ class TritonOps(CudaOps):
     # ------------------------------------------------------------- element-wise and rows
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.k_gemm.linear(x, weight, bias, counters=self.gemm_counters)
+
+    def linear_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.k_gemm_forms.linear_heads(x, weight, counters=self.gemm_counters)
+
+    def linear_swiglu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # NOTE(invariance): one launch with the bits of linear() then silu_mul() (kernels/gemm_forms.py)
+        return self.k_gemm_forms.linear_swiglu(x, weight, bias, counters=self.gemm_counters)
 
     def rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("TritonOps has no generic row op: call a named one (softmax_rows, sum_rows, ...)")

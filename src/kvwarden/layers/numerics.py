@@ -97,6 +97,17 @@ class Ops:
             out = out + part
         return out if bias is None else out + bias
 
+    def linear_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``y[:, h] = linear(x[:, h], weight[h])`` for ``x [rows, H, in]``, ``weight [H, out, in]``:
+        one GEMM per head here; the Triton backend runs them in one launch with the same bits."""
+        return torch.stack([self.linear(x[:, h].contiguous(), weight[h]) for h in range(weight.shape[0])], 1)
+
+    def linear_swiglu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gate) * up`` of ``linear(x, weight, bias)`` for a fused ``[gate; up]`` weight: the two ops
+        here; the Triton backend fuses them into one launch with the same bits."""
+        gate, up = self.linear(x, weight, bias).chunk(2, dim=-1)
+        return self.silu_mul(gate, up)
+
     def rows(self, fn: RowFn, x: torch.Tensor) -> torch.Tensor:
         """Apply a row-wise function (each output row depends on its input row only)."""
         return fn(x)

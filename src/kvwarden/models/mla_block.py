@@ -93,9 +93,10 @@ class MlaBlock:
             self.heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank
         )
         # Per head: W_uk^T [r, nope] turns q_nope into latent space, W_uv [v, r] turns the latent output back;
-        # both as linear() weights (x @ W.T), contiguous so that their shapes alone pick the GEMM's tiles.
-        self.w_uk = [kv_b[h, : mla.qk_nope_head_dim].t().contiguous() for h in range(self.heads)]
-        self.w_uv = [kv_b[h, mla.qk_nope_head_dim :].contiguous() for h in range(self.heads)]
+        # both stacked as linear_heads() weights ([H, out, in]: x @ W[h].T per head), contiguous so that the
+        # per-head shapes alone pick the GEMM's tiles.
+        self.w_uk = kv_b[:, : mla.qk_nope_head_dim].transpose(1, 2).contiguous()
+        self.w_uv = kv_b[:, mla.qk_nope_head_dim :].contiguous()
         self.wo = require(get, f"{prefix}.o_proj.weight")
         self.indexer = Indexer(mla, get, f"{prefix}.indexer", ops) if mla.indexer_full[index] else None
         self.scale = mla.softmax_scale
@@ -137,7 +138,7 @@ class MlaBlock:
             raise RuntimeError("a shared DSA layer needs an earlier full layer's selection in the step")
         slots, visible = batch.dsa_selection
         # q in latent space: [q_nope @ W_uk | rotated q_rope] per head
-        q_abs = torch.stack([ops.linear(q_nope[:, h].contiguous(), self.w_uk[h]) for h in range(self.heads)], 1)
+        q_abs = ops.linear_heads(q_nope, self.w_uk)
         q_full = torch.cat([q_abs, rope_interleaved(q_rope, cos, sin)], -1).float()
         if self.kernels is not None:
             latent = latent_cache.view(latent_cache.shape[0], -1)
@@ -146,7 +147,7 @@ class MlaBlock:
             keys = latent_cache[slots.reshape(-1), 0].float().view(*slots.shape, -1)
             o_latent = latent_attention(q_full, keys, visible, mla.kv_lora_rank, self.scale, ops.exp)
         o_latent = o_latent.to(x.dtype)
-        o = torch.cat([ops.linear(o_latent[:, h].contiguous(), self.w_uv[h]) for h in range(self.heads)], -1)
+        o = ops.linear_heads(o_latent, self.w_uv).reshape(rows, -1)
         batch.trace(f"{self.name}.core", o)
         return ops.linear(o, self.wo)
 

@@ -27,8 +27,7 @@ class MLP:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        gate, up = ops.linear(h, self.w_gate_up, self.b_gate_up).split(self.inter, dim=-1)
-        return ops.linear(ops.silu_mul(gate, up), self.w_down, self.b_down)
+        return ops.linear(ops.linear_swiglu(h, self.w_gate_up, self.b_gate_up), self.w_down, self.b_down)
 
 
 class GraniteMLP:
@@ -40,8 +39,7 @@ class GraniteMLP:
         self.w_out = require(get, f"{prefix}.output_linear.weight")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ops.linear(h, self.w_in).chunk(2, dim=-1)
-        return self.ops.linear(self.ops.silu_mul(gate, up), self.w_out)
+        return self.ops.linear(self.ops.linear_swiglu(h, self.w_in), self.w_out)
 
 
 class SparseMoE:

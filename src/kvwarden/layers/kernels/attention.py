@@ -48,7 +48,7 @@ __all__ = ["BLOCK_Q", "AttentionMeta", "key_tile", "paged_attention", "precompil
 
 # Keys per tile (aligned to key position 0): a constant of the model's head shape (key_tile), never of the step.
 BLOCK_N, BLOCK_N_WIDE = 32, 64
-WIDE_MAX_ELEMENTS = 16 * 2 * 128  # a tile's query rows x padded head size up to which keys come 64 at a time
+WIDE_MAX_ELEMENTS = 16 * 4 * 128  # a tile's query rows x padded head size up to which keys come 64 at a time
 SPLIT = 1024  # keys per split: fixed absolute boundaries, combined in order (a multiple of every key tile)
 # When splits run in parallel (speed only: the bits are the same either way): launches of fewer
 # (tile, head) programs than this, whose split states fit in this many programs' buffers and bytes.
@@ -223,11 +223,13 @@ def _attention_fold_kernel(
 def key_tile(rows: int, block_d: int) -> int:
     """``BLOCK_N`` for a model's head shape (``rows``: a query tile's rows, ``BLOCK_Q`` x the padded GQA group).
 
-    64 keys a tile where the tile's rows x head fit (Qwen3-0.6B's 32 x 128: on an H100 a decode step of
-    64 requests over 512 keys took 71 us against 85 with 32, a 2,048-token prefill 202 against 281;
-    ``bench/attention_tiles.py``), else 32, the tile measured before. Larger tiles were not measured at 64
-    keys: GQA 4 at head 128 (Llama-3-8B, Qwen3-8B: 64 x 128) may gain too (``--heads 32,8,128``);
-    Qwen3-Next's 128 x 256 already holds a thread's 255 registers in its accumulator at 4 warps.
+    64 keys a tile where the tile's rows x head fit, else 32, the tile measured before (H100,
+    ``bench/attention_tiles.py``, 64 against 32 keys): Qwen3-0.6B's 32 x 128 (GQA 2), a decode step of 64
+    requests over 512 keys 71 against 85 us, a 2,048-token prefill 202 against 281; GQA 3-4 at head 128
+    (Llama-3-8B, Qwen3-8B, the Granite preset: 64 x 128, ``--heads 32,8,128``) 75 against 83 us, 300
+    against 350 (256 requests over 640 keys) and 236 against 269 (prefill), one request over 16K keys
+    level. Larger tiles were not measured at 64 keys; Qwen3-Next's 128 x 256 already holds a thread's
+    255 registers in its accumulator at 4 warps.
     NOTE(invariance): the tile moves the online softmax's rescale points, so it is fixed per model.
     """
     return BLOCK_N_WIDE if rows * block_d <= WIDE_MAX_ELEMENTS else BLOCK_N

@@ -165,9 +165,18 @@ def _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_
 
 
 @triton.jit
-def _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS):
+def _store(total, total_up, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU: tl.constexpr):
+    """The output tile: ``total`` (+ bias), or with ``GLU`` ``silu(gate) * up`` of the gate and up totals."""
     if HAS_BIAS:
         total = total + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            total_up = total_up + tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if GLU:  # NOTE(invariance): the rounding points of the unfused path (kernels/pointwise.py, silu_mul): the
+        # gate and up outputs rounded to the model's dtype, silu rounded, the product rounded
+        g = total.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = total_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        total = act * up
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -175,51 +184,83 @@ def _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS):
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    stride_xh, stride_wh, stride_yh,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BY_SUM: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     PARALLEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GLU: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # axis 1 walks (head, output tile): a head-batched launch (linear_heads) is one GEMM per head, each
+    # through its own x / w / y slices with the very same arithmetic as its own launch would run
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    head = tl.program_id(1) // n_tiles
+    pid_n = tl.program_id(1) % n_tiles
+    x_ptr += head * stride_xh
+    w_ptr += head * stride_wh
+    y_ptr += head * stride_yh
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # GLU (linear_swiglu): a weight of 2N rows, gate then up; this program also runs the up rows' columns
+    # (rn + N) through the very same steps, so each output keeps its unfused bits, and the epilogue fuses SwiGLU
+    u_ptr = w_ptr + N * stride_wn
     if SPLIT_BLOCKS == 0:  # one split (all of K): the partial is the total, walked with the loop pipelined
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
-        _store(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+            if GLU:
+                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+        _store(acc, acc_u, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU)
     elif not PARALLEL:  # walked: one loop over K (pipelined); a split's partial joins the total where it ends
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
             end = ((k0 + BLOCK_K) % (SPLIT_BLOCKS * BLOCK_K) == 0) | (k0 + BLOCK_K >= K)
             total = tl.where(end, total + acc, total)
             acc = tl.where(end, 0.0, acc)  # the next split's partial starts from zero, as in its own program
-        _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+            if GLU:
+                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+                total_u = tl.where(end, total_u + acc_u, total_u)
+                acc_u = tl.where(end, 0.0, acc_u)
+        _store(total, total_u, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU)
     else:  # parallel: this program's split, stored; the tile's last program to arrive folds them in order
         split = tl.program_id(2)
         nsplit = tl.num_programs(2)
         k_lo = split * (SPLIT_BLOCKS * BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + SPLIT_BLOCKS * BLOCK_K, K), BLOCK_K):
             acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+            if GLU:
+                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         row_n = rm[:, None].to(tl.int64) * N + rn[None, :]
+        part_ptr += head * nsplit * M * N
+        up_part = part_ptr + nsplit * M * N  # GLU: the up partials after the gate's
         tl.store(part_ptr + split * M * N + row_n, acc, mask=mask)  # split * M * N: bounded (splits_in_parallel)
+        if GLU:
+            tl.store(up_part + split * M * N + row_n, acc_u, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter says so (release below)
-        tile = pid_m * tl.num_programs(1) + pid_n
+        tile = pid_m * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == nsplit - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for j in range(0, nsplit):  # split order, whichever program folds
                 part = tl.load(part_ptr + j * M * N + row_n, mask=mask, other=0.0, cache_modifier=".cg")
                 total = total + part
+                if GLU:
+                    part_u = tl.load(up_part + j * M * N + row_n, mask=mask, other=0.0, cache_modifier=".cg")
+                    total_u = total_u + part_u
             tl.atomic_xchg(count_ptr + tile, 0)  # zero again for the next launch (a CUDA graph replays it)
-            _store(total, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+            _store(total, total_u, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU)
 
 
 @functools.cache
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
@@ -231,34 +272,45 @@ def launch(
     parallel: bool = False,
     counters: torch.Tensor | None = None,
     blocks: int | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
     """One GEMM with an explicit configuration (``linear`` chooses it; ``bench/tune_gemm.py`` tries them).
 
-    ``blocks`` overrides :func:`split_blocks` (``bench/gemm_split.py`` times the unsplit kernel with it):
-    the engine never passes it, since it changes the bits.
+    ``x [M, K]`` and ``weight [N, K]`` give ``[M, N]``; ``x [M, H, K]`` and ``weight [H, N, K]`` give
+    ``[M, H, N]``, head ``h``'s columns from its own weight (:func:`linear_heads`); ``glu``: ``weight
+    [2N, K]`` (gate rows, then up rows) gives ``silu(gate) * up`` ``[M, N]`` (:func:`linear_swiglu`), its
+    tiles half as wide so that a program does the unfused one's work. ``blocks`` overrides
+    :func:`split_blocks` (``bench/gemm_split.py`` times the unsplit kernel with it): the engine never
+    passes it, since it changes the bits.
     """
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    heads = x.shape[1] if x.dim() == 3 else 1
+    m, k = x.shape[0], x.shape[-1]
+    n = weight.shape[-2]  # the weight's rows: the splits and the form follow them, fused or not
+    if heads > 1 and (bias is not None or glu):
+        raise ValueError("a head-batched GEMM takes no bias and no SwiGLU")
+    n_out, block_n = (n // 2, cfg.block_n // 2) if glu else (n, cfg.block_n)
+    y = torch.empty((m, heads, n_out) if x.dim() == 3 else (m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     blocks = split_blocks(n, k, cfg) if blocks is None else blocks
     nsplit = cdiv(cdiv(k, cfg.block_k), blocks)
     blocks = blocks if nsplit > 1 else 0  # 0: one split, the kernel's plain loop
-    grid: tuple[int, ...] = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    grid: tuple[int, ...] = (triton.cdiv(m, cfg.block_m), triton.cdiv(n_out, block_n) * heads)
     parallel = parallel and nsplit > 1
     part = y  # unused unless parallel
     if parallel:
         if grid[0] * grid[1] > COUNTERS:
             raise ValueError(f"a parallel split GEMM of {grid[0] * grid[1]} tiles exceeds {COUNTERS} counters")
         counters = new_counters(x.device) if counters is None else counters
-        part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x.device)
+        part = torch.empty((heads * nsplit * (2 if glu else 1), m, n_out), dtype=torch.float32, device=x.device)
         grid = (*grid, nsplit)
+    batched = x.dim() == 3  # per-head strides; 0 for a plain GEMM (head is always 0 there)
     _linear_kernel[grid](
         x, weight, bias if bias is not None else y, y, part, counters if counters is not None else y,
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        m, n_out, k, x.stride(0), weight.stride(-2), y.stride(0),
+        x.stride(1) if batched else 0, weight.stride(0) if batched else 0, y.stride(1) if batched else 0,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BY_SUM=INTERPRETED, SPLIT_BLOCKS=blocks,
-        PARALLEL=parallel, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PARALLEL=parallel, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GLU=glu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
@@ -283,7 +335,7 @@ def linear(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    cfg = gemm_config(n, k, x.dtype, _device_name(x.device))
+    cfg = gemm_config(n, k, x.dtype, device_name(x.device))
     if parallel is None:
         parallel = counters is not None and splits_in_parallel(m, n, k, cfg, x.element_size())
     return launch(x, weight, bias, cfg, parallel, counters)

@@ -22,7 +22,11 @@ NOTE(invariance), by construction:
   alone), invisible candidates get ``exp(-inf) = 0`` and an all-invisible split is the fold's identity.
   As for paged attention, the splits run walked in one program or in parallel (one program per split,
   then a fold; decode-sized launches), with the same state function and fold: a speed choice only. The
-  result of a query does not depend on the other queries of the launch.
+  result of a query does not depend on the other queries of the launch. A tile of candidates none of
+  which is visible is skipped: which tiles those are follows from the query's own selection.
+* Precision (both kernels): a bfloat16 / float16 cache's products run on the tensor cores with the
+  queries (and the probabilities, for ``P @ V``) rounded to its dtype and float32 accumulation; a float32
+  cache keeps IEEE float32 products. The rounding points are fixed per model, like the tiles.
 """
 
 from __future__ import annotations
@@ -36,38 +40,48 @@ from kvwarden.layers.kernels.gemm import INTERPRETED
 
 BLOCK_KEYS = 32  # key positions per index-score tile
 BLOCK_CANDIDATES = 32  # selected candidates per attention tile
-SPLIT_CANDIDATES = 256  # candidates per split (a multiple of BLOCK_CANDIDATES): fixed boundaries, folded in order
+SPLIT_CANDIDATES = 128  # candidates per split (a multiple of BLOCK_CANDIDATES): fixed boundaries, folded in order
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # caches whose products run on the tensor cores
 HEADS_PER_PROGRAM = 16  # a tile's query heads (the matrix product's smallest row count)
 FEW_PROGRAMS = 128  # launches of fewer (query, head block) programs than this run their splits in parallel
 
 
 @triton.jit
-def _product(a, b, DOT: tl.constexpr):
-    """``a [M, D] @ b [N, D]^T`` in float32: ``tl.dot`` compiled, an in-order element-wise sum interpreted."""
+def _product(a, b, DOT: tl.constexpr, LOWP: tl.constexpr):
+    """``a [M, D] @ b [N, D]^T`` accumulated in float32: ``tl.dot`` compiled (the tensor cores' bf16/fp16 path
+    when ``LOWP``, else IEEE float32), an in-order element-wise sum of the same inputs interpreted."""
     if DOT:
+        if LOWP:
+            return tl.dot(a, tl.trans(b))
         return tl.dot(a, tl.trans(b), input_precision="ieee")
-    return tl.sum(a[:, None, :] * b[None, :, :], axis=2)
+    return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit(do_not_specialize=["C", "T"])
 def _index_scores_kernel(
     q_ptr, w_ptr, k_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, T, C, scale,
     H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+    LOWP: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    h, d = tl.arange(0, HP), tl.arange(0, DP)
-    req = tl.load(req_ptr + t).to(tl.int64)
+    j0 = tl.program_id(1) * BN
+    j = j0 + tl.arange(0, BN)
     pos = tl.load(pos_ptr + t)
-    visible = (j <= pos) & (j < C)
-    slots = tl.load(table_ptr + req * C + j, mask=visible, other=0).to(tl.int64)
-    k = tl.load(k_ptr + slots[:, None] * D + d[None, :], mask=visible[:, None] & (d[None, :] < D), other=0.0)
-    row = t.to(tl.int64) * H
-    q = tl.load(q_ptr + (row + h[:, None]) * D + d[None, :], mask=(h[:, None] < H) & (d[None, :] < D), other=0.0)
-    w = tl.load(w_ptr + row + h, mask=h < H, other=0.0)
-    s = tl.maximum(_product(q, k.to(tl.float32), DOT) * scale, 0.0)
-    total = tl.sum(s * w[:, None], axis=0)
-    total = tl.where(visible, total, float("-inf"))
+    total = tl.full((BN,), float("-inf"), tl.float32)
+    if j0 <= pos:  # a tile wholly past the query is all -inf: no key is loaded (a prefill's upper half)
+        h, d = tl.arange(0, HP), tl.arange(0, DP)
+        req = tl.load(req_ptr + t).to(tl.int64)
+        visible = (j <= pos) & (j < C)
+        slots = tl.load(table_ptr + req * C + j, mask=visible, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[:, None] * D + d[None, :], mask=visible[:, None] & (d[None, :] < D), other=0.0)
+        if not LOWP:
+            k = k.to(tl.float32)
+        row = t.to(tl.int64) * H
+        hd = (h[:, None] < H) & (d[None, :] < D)
+        q = tl.load(q_ptr + (row + h[:, None]) * D + d[None, :], mask=hd, other=0.0)
+        w = tl.load(w_ptr + row + h, mask=h < H, other=0.0)
+        s = tl.maximum(_product(q, k, DOT, LOWP) * scale, 0.0)
+        total = tl.where(visible, tl.sum(s * w[:, None], axis=0), float("-inf"))
     tl.store(out_ptr + t.to(tl.int64) * C + j, total, mask=j < C)
 
 
@@ -76,6 +90,10 @@ def index_scores(
     scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """Scores ``[T, C]`` (float32, ``-inf`` past each query) of every query over its request's indexer keys.
+
+    The products take the cache's precision: a bfloat16 (float16) cache multiplies queries rounded to it on
+    the tensor cores, accumulating in float32. For a model of that dtype the rounding is exact (its queries
+    come from projections and a rotary computed in it); a float32 cache keeps IEEE float32 products.
 
     Args:
         q: ``[T, H, D]`` float32 indexer queries (rope applied).
@@ -91,9 +109,11 @@ def index_scores(
     if t and c:
         hp, dp = max(16, triton.next_power_of_2(h)), max(16, triton.next_power_of_2(d))
         grid = (t, triton.cdiv(c, BLOCK_KEYS))
+        lowp = keys.dtype in LOW_PRECISION
         _index_scores_kernel[grid](
-            q.contiguous(), w.contiguous(), keys.contiguous(), table.contiguous(), req, pos, out, t, c, scale,
-            H=h, D=d, HP=hp, DP=dp, BN=BLOCK_KEYS, DOT=not INTERPRETED,
+            q.to(keys.dtype if lowp else torch.float32).contiguous(), w.contiguous(), keys.contiguous(),
+            table.contiguous(), req, pos, out, t, c, scale,
+            H=h, D=d, HP=hp, DP=dp, BN=BLOCK_KEYS, DOT=not INTERPRETED, LOWP=lowp,
         )  # fmt: skip
     return out
 
@@ -113,7 +133,7 @@ def _latent_q(q_ptr, t, h, H, L, R: tl.constexpr, RP: tl.constexpr, EP: tl.const
 def _candidates_state(
     q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split0, scale, L,
     R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr, BK: tl.constexpr,
-    SPLIT_: tl.constexpr, DOT: tl.constexpr,
+    SPLIT_: tl.constexpr, DOT: tl.constexpr, LOWP: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax state (max, sum, latent accumulator) of one split: candidates ``[split0, split0 + SPLIT_)``."""
     cr, er = tl.arange(0, RP), tl.arange(0, EP)
@@ -125,25 +145,31 @@ def _candidates_state(
         kin = kk < K
         base = t.to(tl.int64) * K + kk
         vis = (tl.load(vis_ptr + base, mask=kin, other=0) != 0) & kin
-        slot = tl.load(sel_ptr + base, mask=kin, other=0).to(tl.int64)
-        rows_c = tl.load(lat_ptr + slot[:, None] * L + cr[None, :], mask=vis[:, None] & (cr[None, :] < R), other=0.0)
-        rows_r = tl.load(
-            lat_ptr + slot[:, None] * L + R + er[None, :], mask=vis[:, None] & (er[None, :] < L - R), other=0.0
-        )
-        rows_c = rows_c.to(tl.float32)
-        s = (_product(q_c, rows_c, DOT) + _product(q_r, rows_r.to(tl.float32), DOT)) * scale
-        s = tl.where(vis[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m - m_use)
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        if DOT:
-            pv = tl.dot(p, rows_c, input_precision="ieee")
-        else:
-            pv = tl.sum(p[:, :, None] * rows_c[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        # NOTE(invariance): a tile with no visible candidate is skipped. Which tiles those are is a function
+        # of the query's selection alone (its -inf candidates), so a query skips the same tiles in any launch.
+        if tl.sum(vis.to(tl.int32), axis=0) > 0:
+            slot = tl.load(sel_ptr + base, mask=kin, other=0).to(tl.int64)
+            c_mask = vis[:, None] & (cr[None, :] < R)
+            rows_c = tl.load(lat_ptr + slot[:, None] * L + cr[None, :], mask=c_mask, other=0.0)
+            r_mask = vis[:, None] & (er[None, :] < L - R)
+            rows_r = tl.load(lat_ptr + slot[:, None] * L + R + er[None, :], mask=r_mask, other=0.0)
+            if not LOWP:
+                rows_c, rows_r = rows_c.to(tl.float32), rows_r.to(tl.float32)
+            s = (_product(q_c, rows_c, DOT, LOWP) + _product(q_r, rows_r, DOT, LOWP)) * scale
+            s = tl.where(vis[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_use[:, None])
+            alpha = tl.exp(m - m_use)
+            s_sum = s_sum * alpha + tl.sum(p, axis=1)
+            if LOWP:  # the probabilities rounded to the cache's dtype for the product (as flash attention)
+                p = p.to(rows_c.dtype)
+            if DOT:
+                pv = tl.dot(p, rows_c) if LOWP else tl.dot(p, rows_c, input_precision="ieee")
+            else:
+                pv = tl.sum(p.to(tl.float32)[:, :, None] * rows_c.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
     return m, s_sum, acc
 
 
@@ -160,7 +186,7 @@ def _store_out(out_ptr, t, h, acc, s_sum, H, R: tl.constexpr, RP: tl.constexpr):
 def _latent_attention_kernel(
     q_ptr, lat_ptr, sel_ptr, vis_ptr, out_ptr, T, K, scale,
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr,
-    BK: tl.constexpr, SPLIT_: tl.constexpr, DOT: tl.constexpr,
+    BK: tl.constexpr, SPLIT_: tl.constexpr, DOT: tl.constexpr, LOWP: tl.constexpr,
 ):  # fmt: skip
     """Walked: one program per (query, head block), every split in turn, folded as it finishes."""
     t = tl.program_id(0)
@@ -171,7 +197,7 @@ def _latent_attention_kernel(
     acc_t = tl.zeros((HB, RP), tl.float32)
     for split0 in range(0, K, SPLIT_):
         m_s, l_s, acc_s = _candidates_state(
-            q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split0, scale, L, R, HB, RP, EP, BK, SPLIT_, DOT
+            q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split0, scale, L, R, HB, RP, EP, BK, SPLIT_, DOT, LOWP
         )
         m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
     _store_out(out_ptr, t, h, acc_t, l_t, H, R, RP)
@@ -181,7 +207,7 @@ def _latent_attention_kernel(
 def _latent_split_kernel(
     q_ptr, lat_ptr, sel_ptr, vis_ptr, m_ptr, l_ptr, acc_ptr, T, K, NSPLIT, scale,
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, RP: tl.constexpr, EP: tl.constexpr,
-    BK: tl.constexpr, SPLIT_: tl.constexpr, DOT: tl.constexpr,
+    BK: tl.constexpr, SPLIT_: tl.constexpr, DOT: tl.constexpr, LOWP: tl.constexpr,
 ):  # fmt: skip
     """Parallel: one program per (query, head block, split), its state stored for the fold."""
     t = tl.program_id(0)
@@ -190,7 +216,7 @@ def _latent_split_kernel(
     h = hb * HB + tl.arange(0, HB)
     q_c, q_r = _latent_q(q_ptr, t, h, H, L, R, RP, EP)
     m_s, l_s, acc_s = _candidates_state(
-        q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split * SPLIT_, scale, L, R, HB, RP, EP, BK, SPLIT_, DOT
+        q_c, q_r, lat_ptr, sel_ptr, vis_ptr, t, K, split * SPLIT_, scale, L, R, HB, RP, EP, BK, SPLIT_, DOT, LOWP
     )
     base = ((t.to(tl.int64) * tl.num_programs(1) + hb) * NSPLIT + split) * HB + tl.arange(0, HB)
     tl.store(m_ptr + base, m_s)
@@ -225,6 +251,9 @@ def latent_attention(
 ) -> torch.Tensor:  # fmt: skip
     """``[T, H, r]`` float32: each query's attention-weighted latent over its selected cache rows.
 
+    A bfloat16 cache takes ``q`` rounded to bfloat16 (exact for a bfloat16 model: ``q_nope @ W_uk`` and the
+    rotary run in it) and rounds the softmax probabilities to it for ``P @ V``; see the module docstring.
+
     Args:
         q: ``[T, H, L]`` float32 (``q_nope @ W_uk`` per head, then the rotated part).
         latent: ``[slots, L]`` the layer's latent cache (``[c | k_rope]`` rows).
@@ -246,21 +275,22 @@ def latent_attention(
     nsplit = triton.cdiv(k, SPLIT_CANDIDATES)
     if parallel is None:
         parallel = nsplit > 1 and t * heads < FEW_PROGRAMS
+    lowp = latent.dtype in LOW_PRECISION  # products in the cache's precision, as index_scores
+    q = q.to(latent.dtype if lowp else torch.float32)
     args = (q.contiguous(), latent.contiguous(), selected.contiguous(), visible.to(torch.int8).contiguous())
     const = dict(H=h, L=width, R=kv_lora_rank, HB=hb, RP=rp, EP=ep, BK=BLOCK_CANDIDATES, SPLIT_=SPLIT_CANDIDATES)
+    const |= dict(DOT=not INTERPRETED, LOWP=lowp)
     # num_stages=1: GLM-5's latent rows in bfloat16 overflowed the H200's shared memory when Triton pipelined
     # the candidate loads (264 KB of 232); stages and warps change scheduling, never arithmetic
     if not parallel:
-        _latent_attention_kernel[(t, heads)](
-            *args, out, t, k, scale, **const, DOT=not INTERPRETED, num_warps=8, num_stages=1
-        )
+        _latent_attention_kernel[(t, heads)](*args, out, t, k, scale, **const, num_warps=8, num_stages=1)
         return out
     states = t * heads * nsplit * hb
     m_buf = torch.empty((states,), dtype=torch.float32, device=q.device)
     l_buf = torch.empty_like(m_buf)
     acc_buf = torch.empty((states, rp), dtype=torch.float32, device=q.device)
     _latent_split_kernel[(t, heads, nsplit)](
-        *args, m_buf, l_buf, acc_buf, t, k, nsplit, scale, **const, DOT=not INTERPRETED, num_warps=8, num_stages=1
+        *args, m_buf, l_buf, acc_buf, t, k, nsplit, scale, **const, num_warps=8, num_stages=1
     )
     _latent_fold_kernel[(t, heads)](m_buf, l_buf, acc_buf, out, t, nsplit, H=h, R=kv_lora_rank, HB=hb, RP=rp)
     return out
