@@ -257,7 +257,7 @@ def paged_attention(
     block_size: int,
     scale: float,
     parallel_splits: bool | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``.
 
@@ -265,11 +265,12 @@ def paged_attention(
     after (flash-decoding), or walk them in one program; ``None`` chooses by the
     launch (few tiles over long contexts: in parallel). Both give the same bits:
     the same split states, folded in the same order by the same function.
-    ``tiles``: ``(BLOCK_N, num_warps, num_stages)`` instead of the module's, for
-    ``bench/attention_tiles.py`` only (``BLOCK_N`` moves the softmax's rescale
-    points, so the engine never passes it: every step must use the same).
+    ``tiles``: ``(BLOCK_N, num_warps, num_stages)``, optionally with the split
+    length as a fourth, instead of the module's, for ``bench/attention_tiles.py``
+    only (``BLOCK_N`` and the split move the softmax's rescale and fold points,
+    so the engine never passes it: every step must use the same).
     """
-    block_n, warps, stages = tiles or (0, 4, 2)
+    block_n, warps, stages, split = (*tiles, SPLIT)[:4] if tiles else (0, 4, 2, SPLIT)
     q = q.contiguous()
     rows, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -282,11 +283,11 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(d))
     const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=BLOCK_Q)
     ieee = q.dtype == torch.float32
-    nsplit = cdiv(meta.max_keys, SPLIT) if meta.max_keys else 0
+    nsplit = cdiv(meta.max_keys, split) if meta.max_keys else 0
     m = BLOCK_Q * rp
     block_n = block_n or key_tile(m, block_d)
-    if SPLIT % block_n:  # a key tile may not straddle a split's boundary (its keys would count twice)
-        raise ValueError(f"SPLIT={SPLIT} is not a multiple of the key tile {block_n}")
+    if split % block_n:  # a key tile may not straddle a split's boundary (its keys would count twice)
+        raise ValueError(f"SPLIT={split} is not a multiple of the key tile {block_n}")
     if parallel_splits is None:
         parallel_splits = split_in_parallel(tiles, hkv, nsplit, m, block_d)
     if not parallel_splits or nsplit < 1:
@@ -294,7 +295,7 @@ def paged_attention(
             q, k_cache, v_cache, out,
             meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
             meta.block_tables.shape[1], block_size, scale,
-            **const, BN=block_n, SPLIT_=SPLIT, IEEE=ieee, num_warps=warps, num_stages=stages,
+            **const, BN=block_n, SPLIT_=split, IEEE=ieee, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
     m_buf = torch.empty((tiles * hkv * nsplit * m,), dtype=torch.float32, device=q.device)
@@ -304,11 +305,11 @@ def paged_attention(
         q, k_cache, v_cache, m_buf, l_buf, acc_buf,
         meta.seq_row0, meta.seq_start, meta.seq_nq, meta.block_tables, meta.tile_seq, meta.tile_pos0,
         meta.block_tables.shape[1], block_size, nsplit, scale,
-        **const, BN=block_n, SPLIT_=SPLIT, IEEE=ieee, num_warps=warps, num_stages=stages,
+        **const, BN=block_n, SPLIT_=split, IEEE=ieee, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _attention_fold_kernel[(tiles, hkv)](
         out, m_buf, l_buf, acc_buf, meta.seq_row0, meta.seq_start, meta.seq_nq, meta.tile_seq, meta.tile_pos0,
-        nsplit, **const, SPLIT_=SPLIT, num_warps=4,
+        nsplit, **const, SPLIT_=split, num_warps=4,
     )  # fmt: skip
     return out
 
