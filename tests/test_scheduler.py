@@ -80,3 +80,27 @@ def test_a_request_larger_than_the_pool_finishes_with_length(llama_tiny: Path) -
     assert out.finish_reason == "length"
     assert 0 < len(out.token_ids) < 50
     assert llm.engine.pool.num_free_blocks == 4
+
+
+def test_scheduler_limits_default_by_device_and_pass_through(llama_tiny: Path) -> None:
+    """Unset limits take the device's defaults (the CPU's here); given ones are kept, the CLI leaves them unset."""
+    from kvwarden.commands.engine_args import add_engine_args
+    from kvwarden.config import scheduler_limits
+
+    assert scheduler_limits("cpu", None, None) == (512, 32)
+    assert scheduler_limits("cpu", 100, None) == (100, 32)
+    assert scheduler_limits("cpu", None, 7) == (512, 7)
+    llm = LLM(str(llama_tiny), device="cpu")
+    cfg = llm.engine.scheduler.config
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (512, 32)
+    llm = LLM(str(llama_tiny), device="cpu", max_num_batched_tokens=64, max_num_seqs=3)
+    cfg = llm.engine.scheduler.config
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (64, 3)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["m"])
+    assert args.max_num_batched_tokens is None and args.max_num_seqs is None
+    helps = {a.dest: a.help for a in p._actions}
+    assert "8192 on a GPU" in helps["max_num_batched_tokens"] and "256 GPU" in helps["max_num_seqs"]

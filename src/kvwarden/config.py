@@ -346,6 +346,22 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
 
 
+# Scheduler limits by device when a caller leaves them unset (LLM, the CLI): (token budget of a step, most
+# running requests). The CPU's are this project's measured defaults for two cores; a GPU's follow vLLM's
+# (8,192 batched tokens and 256 sequences): a 512-token budget there would cut every long prompt into
+# 512-token steps, and 32 sequences would queue half of a concurrency-64 load. Neither changes an answer.
+DEVICE_LIMITS: dict[str, tuple[int, int]] = {"cpu": (512, 32), "cuda": (8192, 256)}
+
+
+def scheduler_limits(device: str, max_num_batched_tokens: int | None, max_num_seqs: int | None) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)``: the given ones, the device's default for any left ``None``."""
+    tokens, seqs = DEVICE_LIMITS[resolve_device(device)]
+    return (
+        tokens if max_num_batched_tokens is None else max_num_batched_tokens,
+        seqs if max_num_seqs is None else max_num_seqs,
+    )
+
+
 def resolve_device(device: str) -> str:
     """``"cpu"`` or ``"cuda"`` for a configured device; a clear error when CUDA is asked for and absent."""
     import torch

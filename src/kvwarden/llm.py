@@ -14,6 +14,7 @@ from kvwarden.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    scheduler_limits,
 )
 from kvwarden.engine.llm_engine import LLMEngine
 from kvwarden.engine.outputs import RequestOutput
@@ -33,8 +34,8 @@ class LLM:
         dtype: ``"float32"`` or ``"bfloat16"``.
         block_size: tokens per KV block.
         enable_prefix_caching: reuse full blocks across requests.
-        max_num_batched_tokens: token budget per engine step.
-        max_num_seqs: most concurrent requests.
+        max_num_batched_tokens: token budget per engine step (default: 512 on the CPU, 8,192 on a GPU).
+        max_num_seqs: most concurrent requests (default: 32 on the CPU, 256 on a GPU).
         num_blocks / kv_cache_memory: KV pool size (blocks, or bytes to derive it).
         max_model_len: cap on prompt + output length.
         numerics: ``"canonical"`` (invariant) or ``"shape-dependent"`` (vendor-style).
@@ -96,8 +97,8 @@ class LLM:
         dtype: str = "float32",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 32,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
         num_blocks: int | None = None,
         kv_cache_memory: int = 512 * 1024 * 1024,
         max_model_len: int | None = None,
@@ -122,6 +123,7 @@ class LLM:
         unsafe_layer_split: bool = False,
         layer_split_delay_ms: float = 0.0,
     ) -> None:
+        max_num_batched_tokens, max_num_seqs = scheduler_limits(device, max_num_batched_tokens, max_num_seqs)
         config = EngineConfig(
             model=model,
             dtype=dtype,  # type: ignore[arg-type]

@@ -18,9 +18,14 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block and prefix-cache entry")
     p.add_argument(
-        "--max-num-batched-tokens", type=_positive, default=512, help="token budget of one engine step (all requests)"
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=None,
+        help="token budget of one engine step, all requests (default: 512 on the CPU, 8192 on a GPU)",
     )
-    p.add_argument("--max-num-seqs", type=_positive, default=32, help="most requests running at once")
+    p.add_argument(
+        "--max-num-seqs", type=_positive, default=None, help="most requests running at once (default: 32 CPU, 256 GPU)"
+    )
     p.add_argument(
         "--max-model-len", type=_positive, default=None, help="cap on prompt + output tokens (default: the model's)"
     )
