@@ -138,6 +138,9 @@ def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: lis
     # sampled rows' float32 logits; doubled for allocator slack
     activations = 2 * sched.max_num_batched_tokens * 4 * (8 * cfg.hidden_size + 4 * width)
     activations += 2 * sched.max_num_seqs * 4 * cfg.vocab_size
+    if cfg.mla is not None:  # sparse attention: a step's float32 index scores, one row per token over its context
+        # (and the top-k's working rows beside them), at most the step's tokens x the longest context served
+        activations += 2 * sched.max_num_batched_tokens * 4 * context_limit(config.max_model_len, cfg)
     from kvwarden.layers.kernels.attention import PARALLEL_MAX_BYTES  # Triton: CUDA only
 
     activations += PARALLEL_MAX_BYTES  # attention's split states (a long context's decode, in or out of graphs)
