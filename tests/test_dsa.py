@@ -245,3 +245,25 @@ def test_the_gpu_preset_has_glm5s_attention_shape_and_others_refuse_it() -> None
         assert (mla.index_n_heads, mla.index_head_dim, mla.index_topk) == (32, 128, 2048)
     with pytest.raises(ValueError, match=r"--preset: qwen2 has the presets tiny, small, not '0.6b'"):
         family_config("qwen2", "0.6b", 1024, 2, 1)
+
+
+def test_absorbed_projections_by_head_on_every_backend() -> None:
+    """MLA's per-head projections (``Ops.linear_heads``): the base backends' one GEMM per head, and the GPU
+    fast path's batched cuBLAS form (run here on CPU tensors) giving the same product within rounding, over a
+    strided view of a wider projection as the block passes it."""
+    from kvwarden.config import NumericsConfig
+    from kvwarden.layers.gpu_ops import CudaOps
+    from kvwarden.layers.numerics import Ops
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 3, 12, generator=g)[..., :10]  # q_nope: the first 10 of each head's 12 columns
+    w = torch.randn(3, 7, 10, generator=g)
+    config = NumericsConfig(mode="shape-dependent")
+    per_head = Ops(config).linear_heads(x, w)
+    assert per_head.shape == (5, 3, 7)
+    for h in range(3):
+        assert torch.equal(per_head[:, h], Ops(config).linear(x[:, h].contiguous(), w[h]))
+    batched = CudaOps(config, torch.device("cpu")).linear_heads(x, w)
+    assert batched.shape == (5, 3, 7)
+    torch.testing.assert_close(batched, torch.einsum("mhk,hnk->mhn", x.double(), w.double()).float())
+    torch.testing.assert_close(batched, per_head)
