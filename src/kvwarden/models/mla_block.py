@@ -139,13 +139,13 @@ class MlaBlock:
         slots, visible = batch.dsa_selection
         # q in latent space: [q_nope @ W_uk | rotated q_rope] per head
         q_abs = ops.linear_heads(q_nope, self.w_uk)
-        q_full = torch.cat([q_abs, rope_interleaved(q_rope, cos, sin)], -1).float()
-        if self.kernels is not None:
+        q_full = torch.cat([q_abs, rope_interleaved(q_rope, cos, sin)], -1)  # the model's dtype
+        if self.kernels is not None:  # the kernel takes q in its cache's precision (float32 for a float32 cache)
             latent = latent_cache.view(latent_cache.shape[0], -1)
             o_latent = self.kernels[0].latent_attention(q_full, latent, slots, visible, mla.kv_lora_rank, self.scale)
         else:  # NOTE(invariance): one bmm batched over every query of the step (the batch count is free)
             keys = latent_cache[slots.reshape(-1), 0].float().view(*slots.shape, -1)
-            o_latent = latent_attention(q_full, keys, visible, mla.kv_lora_rank, self.scale, ops.exp)
+            o_latent = latent_attention(q_full.float(), keys, visible, mla.kv_lora_rank, self.scale, ops.exp)
         o_latent = o_latent.to(x.dtype)
         o = ops.linear_heads(o_latent, self.w_uv).reshape(rows, -1)
         batch.trace(f"{self.name}.core", o)

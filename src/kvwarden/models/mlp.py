@@ -22,7 +22,6 @@ class MLP:
 
         # One GEMM for gate and up (the shape of the fused weight alone picks its tiles).
         self.w_gate_up, self.b_gate_up = fuse([gate, up], [b("gate_proj"), b("up_proj")])
-        self.inter = gate.shape[0]
         self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), b("down_proj")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:

@@ -255,7 +255,7 @@ def latent_attention(
     rotary run in it) and rounds the softmax probabilities to it for ``P @ V``; see the module docstring.
 
     Args:
-        q: ``[T, H, L]`` float32 (``q_nope @ W_uk`` per head, then the rotated part).
+        q: ``[T, H, L]`` (``q_nope @ W_uk`` per head, then the rotated part), any float dtype.
         latent: ``[slots, L]`` the layer's latent cache (``[c | k_rope]`` rows).
         selected: ``[T, K]`` cache slots of each query's candidates in column order.
         visible: ``[T, K]`` which candidates it may attend to (the first always).
