@@ -2,7 +2,8 @@
 arrival-order selection, and the DSA preset's prefill and decode beside a dense model of its size.
 
 Selection rows: ``rows`` queries x ``keys`` index scores (|N(0, 1)| * 3, float32; the arrival selection
-rounds them to bfloat16 as production indexers score), best of ``--repeats`` timings each. On the CPU the
+rounds them to bfloat16 as production indexers score; ``--sink`` puts one far larger score in column 0 of
+every row), best of ``--repeats`` timings each. On the CPU the
 deterministic path is the stable sort (``layers/sparse_attention.py``); on a GPU also the Triton kernel
 (``layers/kernels/topk.py``). The tie column: rows whose ``k``-th and next score are equal, in float32 and
 after rounding to bfloat16 - the ties the incident needs.
@@ -54,7 +55,10 @@ def selection_rows(args: argparse.Namespace, device: str) -> list[dict]:
     out = []
     for keys in args.keys:
         for rows in args.rows:
-            scores = (torch.randn(rows, keys, generator=g).abs() * 3).to(device)
+            scores = torch.randn(rows, keys, generator=g).abs() * 3
+            if args.sink:  # an attention sink: column 0 scores far above the rest in every row
+                scores[:, 0] = 1000.0
+            scores = scores.to(device)
             k = min(args.k, keys)
             low = scores.to(torch.bfloat16).float()
             ranked = torch.sort(scores, dim=-1, descending=True).values
@@ -80,13 +84,14 @@ def selection_rows(args: argparse.Namespace, device: str) -> list[dict]:
 
 
 VARIANTS = {  # name -> topk_triton keywords (every one gives the same answer, checked against the default)
-    "1 prog b8192 w16": {"split": 0, "block": 8192, "num_warps": 16},
+    "1 prog b2048 w4": {"split": 0, "block": 2048, "num_warps": 4},
+    "1 prog b2048 w4 passes": {"split": 0, "block": 2048, "num_warps": 4, "buckets": False},
+    "1 prog b1024 w4": {"split": 0, "block": 1024, "num_warps": 4},
+    "1 prog b1024 w2": {"split": 0, "block": 1024, "num_warps": 2},
+    "1 prog b2048 w8": {"split": 0, "block": 2048, "num_warps": 8},
     "1 prog b4096 w8": {"split": 0, "block": 4096, "num_warps": 8},
-    "1 prog b8192 w16 masked": {"split": 0, "block": 8192, "num_warps": 16, "masked": True},
     "split 2048 w4": {"split": 2048, "block": 2048, "num_warps": 4},
     "split 4096 w8": {"split": 4096, "block": 4096, "num_warps": 8},
-    "split 8192 w8": {"split": 8192, "block": 4096, "num_warps": 8},
-    "split 8192 w16": {"split": 8192, "block": 8192, "num_warps": 16},
 }
 
 
@@ -160,6 +165,11 @@ def main() -> None:
     p.add_argument("--dsa-model", default="builtin:glm_moe_dsa-small")
     p.add_argument("--dense-model", default="builtin:qwen3_moe-small")
     p.add_argument("--no-models", action="store_true", help="selection rows only")
+    p.add_argument(
+        "--sink", action="store_true",
+        help="column 0 of every row scores 1000 (the rest |N(0, 1)| * 3): an attention sink, the kernel's bucket "
+        "shortcut's worst case (every other score lands in a few buckets, so it takes the passes over the row)",
+    )  # fmt: skip
     p.add_argument("--variants", action="store_true", help="GPU: device time of each kernel shape and torch.topk")
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = p.parse_args()
@@ -167,7 +177,7 @@ def main() -> None:
     if args.quick:
         args.keys, args.rows, args.k, args.repeats = [4096], [1, 16], 256, 1
         args.prompt_len, args.decode_tokens = 128, 8
-    console = Console()
+    console = Console(width=250)  # the device-time table is wide: never cut its figures
     sel = selection_rows(args, args.device)
     table = Table(title=f"Key selection on {args.device}: best of {args.repeats} (ms)", title_justify="left")
     cols = ["keys", "rows", "k", "torch.topk", "deterministic", "vs topk", "arrival (bf16)", "ties f32", "ties bf16"]
@@ -203,7 +213,7 @@ def main() -> None:
         for r in models:
             mt.add_row(r["model"], f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}")
         console.print(mt)
-    print(json.dumps({"bench": "topk", "device": args.device, "selection": sel, "models": models}))
+    print(json.dumps({"bench": "topk", "device": args.device, "sink": args.sink, "selection": sel, "models": models}))
 
 
 if __name__ == "__main__":

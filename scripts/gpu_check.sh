@@ -313,7 +313,7 @@ fi
 if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa / DeepseekV32: the carried wheel is the reference
   DSA=(--model builtin:glm_moe_dsa-small --model builtin:deepseek_v32-small)
   DSA_BIG=${DSA_BIG:-builtin:glm_moe_dsa-0.6b}  # GLM-5's attention dimensions (latent 512 + rotary 64, top-k 2,048)
-  DSAPARTS=" ${DSA_PARTS:-tests float32 bfloat16 invariance topk} "  # a subset, e.g. DSA_PARTS="tests topk"
+  DSAPARTS=" ${DSA_PARTS:-tests float32 bfloat16 invariance topk sink} "  # a subset, e.g. DSA_PARTS="tests topk"
   dsa_part() { [[ "$DSAPARTS" == *" $1 "* ]]; }
   if dsa_part tests; then
   stage "sparse attention kernels compiled (indexer scores, latent attention, radix-select top-k)"
@@ -341,12 +341,19 @@ if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa /
   if dsa_part topk; then
   stage "key selection vs torch.topk (4K-64K keys, 1-256 rows); $DSA_BIG prefill/decode at 4K beside qwen3-0.6b"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader  # nothing should hold the GPU now
-  timeout 400 python3 bench/topk.py --device cuda --rows 1 16 256 2048 --variants --dsa-model "$DSA_BIG" \
+  timeout 400 python3 bench/topk.py --device cuda --rows 1 16 64 256 2048 ${TOPK_ARGS:-} --variants --dsa-model "$DSA_BIG" \
     --dense-model builtin:qwen3-0.6b --prompt-len 4096 --decode-tokens 33 2>&1 | tee "$OUT/topk.log" | grep -v '^{' | tail -n 56
   tail -n 1 "$OUT/topk.log" > "$OUT/topk.json"
   record "top-k: torch.topk / triton at 8K-64K keys" "$(python3 -c "import json; d=json.load(open('$OUT/topk.json'))['selection']; print([(r['keys'], r['rows'], round(r['torch_topk_ms'] / r['triton_ms'], 2)) for r in d if r['keys'] >= 8192])" 2>&1 | tail -n 1)"
   record "top-k device time: topk / best shape (8K+)" "$(python3 -c "import json; d=json.load(open('$OUT/topk.json'))['selection']; print([(r['keys'], r['rows'], min((v, n) for n, v in r['gpu_ms'].items() if n != 'torch.topk' and v == v)[1], round(r['gpu_ms']['torch.topk'] / min(v for n, v in r['gpu_ms'].items() if n != 'torch.topk' and v == v), 2)) for r in d if r['keys'] >= 8192])" 2>&1 | tail -n 1)"
   record "DSA vs dense prefill|decode tok/s at 4K" "$(python3 -c "import json; print([(r['model'][:40], round(r['prefill_tok_s']), round(r['decode_tok_s'], 1)) for r in json.load(open('$OUT/topk.json'))['models']])" 2>&1 | tail -n 1)"
+  fi
+  if dsa_part sink; then  # the bucket shortcut's worst case: one far larger score per row (the passes over the row)
+  stage "key selection with an attention sink (one score of 1000 per row), 16K-64K keys x 256-2,048 rows"
+  timeout 200 python3 bench/topk.py --device cuda --no-models --sink --keys 16384 65536 --rows 256 2048 --variants \
+    2>&1 | tee "$OUT/topk-sink.log" | grep -v '^{' | tail -n 20
+  tail -n 1 "$OUT/topk-sink.log" > "$OUT/topk-sink.json"
+  record "top-k with a sink: torch.topk / triton" "$(python3 -c "import json; d=json.load(open('$OUT/topk-sink.json'))['selection']; print([(r['keys'], r['rows'], round(r['torch_topk_ms'] / r['triton_ms'], 2)) for r in d])" 2>&1 | tail -n 1)"
   fi
 fi
 

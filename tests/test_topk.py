@@ -64,6 +64,7 @@ SHAPES = [  # the kernel's shapes (bench/topk.py --variants times them): every o
     {"radix": 8, "block": 4096, "masked": False, "split": 0},
     {"radix": 11, "block": 1024, "masked": True, "split": 0},
     {"radix": 8, "block": 1024, "masked": False, "split": 2048},
+    {"radix": 8, "block": 2048, "masked": False, "split": 0, "buckets": False},
 ]
 
 
@@ -92,6 +93,90 @@ def test_every_shape_equals_the_stable_order_under_ties(shape: dict) -> None:
     val, idx = topk_triton(s, 70, **shape)
     ref_val, ref_idx = topk_reference(s, 70)
     assert torch.equal(idx.cpu(), ref_idx.cpu()) and torch.equal(val.cpu(), ref_val.cpu())
+
+
+def f32(x: float | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32)
+
+
+def buckets(s: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    b = torch.where(s > lo, (s - lo) * scale, f32(0.0)).to(torch.int32).clamp(max=254) + 1
+    return torch.where(s > float("-inf"), b, 0)
+
+
+def choose(counts: torch.Tensor, need: int) -> tuple[int, int]:
+    """The bucket holding the need-th largest key, and the count in the buckets above it."""
+    from_top = counts.flip(0).cumsum(0).flip(0)
+    b = int((from_top >= need).nonzero().max())
+    return b, int(from_top[b] - counts[b])
+
+
+def kernel_path(row: torch.Tensor, k: int) -> str:
+    """The way the one-program kernel finds a row's threshold, computed here as the kernel does (float32
+    arithmetic, same order), to show a test's rows take the branches they are meant to."""
+    s = row.float().cpu()
+    finite = s[s > float("-inf")]
+    lo, hi = (finite.min(), s.max()) if len(finite) else (f32(float("inf")), f32(-float("inf")))
+    width = hi - lo
+    scale = f32(255.0) / width if width > 0 else f32(0.0)
+    if not (width < 3.0e38 and scale < 3.0e38):
+        return "passes"
+    outer = buckets(s, lo, scale)
+    b1, above = choose(torch.bincount(outer, minlength=256), k)
+    if b1 == 0:
+        return "-inf"
+    if above + int((outer == b1).sum()) <= 2 * k:
+        return "buckets"
+    lo2 = lo + f32(b1 - 1) / scale
+    hi2 = hi if b1 == 255 else lo + f32(b1) / scale
+    width2 = hi2 - lo2
+    scale2 = f32(255.0) / width2 if width2 > 0 else f32(0.0)
+    if not scale2 < 3.0e38:
+        return "passes"
+    inner = buckets(s[outer == b1], lo2, scale2)
+    b2, above2 = choose(torch.bincount(inner, minlength=256), k - above)
+    return "sub-buckets" if above + above2 + int((inner == b2).sum()) <= 2 * k else "passes"
+
+
+# the interpreter computes both sides of the kernel's guarded arithmetic in numpy (inf - inf, ...)
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+def test_the_bucket_shortcut_and_the_whole_row_passes_agree_on_every_branch() -> None:
+    # rows built for each branch of the one-program kernel: the threshold's bucket narrows the row to <= 2k
+    # columns (the shortcut), or its sub-buckets do (a sink far above the rest), the threshold is -inf
+    # (fewer than k visible keys; every score -inf), or the passes over the row: one score so far above
+    # the rest that even the sub-buckets hold them all, heavy ties, every score equal, or no buckets at all
+    # (+inf present, a range that overflows float32, a range of subnormals)
+    g = torch.Generator().manual_seed(11)
+    n, k = 5000, 64
+
+    def normal() -> torch.Tensor:
+        return torch.randn(n, generator=g)
+
+    sink, outlier, masked, overflow, plus_inf = normal(), normal(), normal(), normal(), normal()
+    sink[17] = 2000.0
+    outlier[17] = 1.0e30
+    masked[40:] = float("-inf")
+    overflow[3], overflow[9] = 3.0e38, -3.0e38
+    plus_inf[100] = float("inf")
+    rows = {
+        "fits": (normal(), "buckets"),
+        "sink": (sink, "sub-buckets"),
+        "masked": (masked, "-inf"),
+        "all -inf": (torch.full((n,), float("-inf")), "-inf"),
+        "outlier": (outlier, "passes"),
+        "ties": (torch.randint(0, 3, (n,), generator=g).float(), "passes"),
+        "equal": (torch.full((n,), 2.5), "passes"),
+        "+inf": (plus_inf, "passes"),
+        "overflow": (overflow, "passes"),
+        "subnormal": (normal() * 1e-44, "passes"),
+    }
+    for name, (row, path) in rows.items():
+        assert kernel_path(row, k) == path, name
+    s = torch.stack([r for r, _ in rows.values()]).to(DEVICE)
+    want = topk_reference(s, k)
+    for shortcut in (True, False):
+        got = topk_triton(s, k, buckets=shortcut, block=2048)
+        assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu()), shortcut
 
 
 def test_signed_zeros_and_infinities_keep_the_order() -> None:

@@ -141,6 +141,8 @@ def cache_budget(config: EngineConfig, device: str, cfg: ModelConfig, specs: lis
     if cfg.mla is not None:  # sparse attention: a step's float32 index scores, one row per token over its context
         # (and the top-k's working rows beside them), at most the step's tokens x the longest context served
         activations += 2 * sched.max_num_batched_tokens * 4 * context_limit(config.max_model_len, cfg)
+        # the top-k's list of up to 2 x index_topk int32 columns a row (layers/kernels/topk.py)
+        activations += sched.max_num_batched_tokens * 4 * 2 * cfg.mla.index_topk
     from kvwarden.layers.kernels.attention import PARALLEL_MAX_BYTES  # Triton: CUDA only
 
     activations += PARALLEL_MAX_BYTES  # attention's split states (a long context's decode, in or out of graphs)

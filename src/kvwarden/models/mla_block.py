@@ -62,11 +62,14 @@ class Indexer:
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q [rows, H, D]`` float32 with rope, ``weights [rows, H]`` float32)."""
+        """``(q [rows, H, D]`` in the model's dtype with rope, ``weights [rows, H]`` float32).
+
+        The queries stay in the model's dtype: the GPU kernel multiplies them in its cache's precision (the
+        model's: no copy), the CPU path widens them to float32 (exact either way)."""
         mla, ops = self.mla, self.ops
         q = ops.linear(q_latent, self.wq).view(-1, mla.index_n_heads, mla.index_head_dim)
         weights = ops.linear(x.float(), self.w_heads) * mla.index_n_heads**-0.5
-        return self._rope(q, cos, sin).float(), weights
+        return self._rope(q, cos, sin), weights
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         d = self.mla.qk_rope_head_dim  # the indexer turns its leading slice (the attention its trailing one)
@@ -132,6 +135,7 @@ class MlaBlock:
             if self.kernels is not None:
                 batch.dsa_selection = self._select_on_device(q_index, weights, index_cache, batch)
             else:
+                q_index = q_index.float()
                 chosen = [self._select(q_index, weights, index_cache, seq, rows) for seq in batch.plan.seqs]
                 batch.dsa_selection = (torch.cat([s for s, _ in chosen]), torch.cat([v for _, v in chosen]))
         if batch.dsa_selection is None:

@@ -96,7 +96,7 @@ def index_scores(
     come from projections and a rotary computed in it); a float32 cache keeps IEEE float32 products.
 
     Args:
-        q: ``[T, H, D]`` float32 indexer queries (rope applied).
+        q: ``[T, H, D]`` indexer queries (rope applied), in the model's dtype or float32.
         w: ``[T, H]`` float32 head weights (``weights_proj`` output times ``H ** -0.5``).
         keys: ``[slots, D]`` the layer's indexer cache.
         table: ``[R, C]`` each request's cache slot per position (padded past its context).

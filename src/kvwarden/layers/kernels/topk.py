@@ -31,6 +31,29 @@ sorted order costs a bitonic sort of ``k`` pairs per row (about 60 us of a
 4,096-key row's 90 us on the H200); the attention over the selection then folds
 its keys in position order, as dense attention does.
 
+A shortcut to the threshold, the same answer (one program per row): a sweep finds
+the row's finite minimum ``lo`` and its maximum ``hi``; a second counts the
+scores in 255 equal-width buckets of ``[lo, hi]`` - bucket
+``1 + min(floor((s - lo) * 255 / (hi - lo)), 254)``, ``-inf`` alone in bucket 0.
+The bucket is a non-decreasing function of the score for *any* ``lo`` and
+``scale >= 0`` (each IEEE operation in it rounds monotonically, and it is clamped
+at both ends), so a score in a higher bucket is strictly larger than every score
+in a lower one, and the ``k``-th largest key lies in the bucket ``b`` where the
+count from the top reaches ``k``. ``b = 0`` means fewer than ``k`` finite
+scores: the threshold is ``-inf``. When ``b`` and the buckets above it hold at
+most ``2k`` columns, a third sweep lists them, in column order, and the radix
+passes and the compaction run over that list only: every key at or above the
+threshold is in it, so its ``k``-th largest key, its count of equal keys before
+each column and its selection are the row's. A crowded ``b`` (one score far
+above the rest: an attention sink) is cut again into 255 sub-buckets of its
+nominal range by one more sweep over the scores in ``b`` (the clamped bucket
+function again, so monotone whatever rounding did to that range); the list then
+holds the columns at or above ``(b, sub-bucket)``. A row that still does not fit
+(heavy ties) or whose range rules buckets out (an infinite score, a range past
+float32) takes the passes over the whole row. ``lo``, ``hi``, the range and
+every count are the row's own, so the path taken, like the answer, is a function
+of the row alone.
+
 Two launch shapes, the same answer: one program per row (many rows), or, for a
 few long rows, ``split`` programs per row, one per chunk of columns - four
 histogram launches and one compaction, each program re-deriving the prefix from
@@ -53,118 +76,90 @@ import torch
 import triton
 import triton.language as tl
 
+from kvwarden.layers.kernels.topk_radix import (
+    _bucket_count,
+    _choose,
+    _compact,
+    _count,
+    _gather,
+    _passes,
+    _range,
+    _unsigned_key,
+)
 from kvwarden.layers.sparse_attention import column_order
 
-# The kernel's shape, measured on the H200 (bench/topk.py --variants, device time; any shape gives the same
-# answer): 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); one program per
-# row is best with blocks of 4,096 and 8 warps (0.025 ms at 4K keys against 0.054 with 8,192 and 16), the
-# histogram's mask argument and the bin-0 form time within 3 % of each other; up to 16 rows of 16K-64K keys
-# a row split over programs of 4,096 columns takes 0.045-0.062 ms where one program takes 0.08-0.28 (at
-# 256 rows the split is 10-45 % slower: the rows already fill the GPU). The split costs 5 launches: at 16K
-# keys and one row its 0.03 ms of device time saved were less than the extra launches' host time (0.16 ms
-# against one program's 0.11, launch included), so it starts at 32K.
-BLOCK, WARPS = 4096, 8
+# The kernel's shape (bench/topk.py --variants, device time; any shape gives the same answer). On the H200
+# (2026-12-03): 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); the
+# histogram's mask argument and the bin-0 form time within 3 % of each other. On the H100 (2026-12-06),
+# k = 2,048: with the bucket shortcut one program per row is best with blocks of 2,048 and 4 warps at 256-
+# 2,048 rows (64K x 2,048 rows: 1.93 ms against 3.60 with 4,096 and 8, 4.43 for the passes alone; the
+# shortcut is a latency chain, and smaller programs keep more of them in flight). For few rows a row split
+# over programs takes 0.034-0.070 ms at 8K-64K keys where one program takes 0.075-0.29: chunks of 2,048
+# columns up to 16K keys, 4,096 beyond, while the split makes at most SPLIT_PROGRAMS programs (each
+# re-reads the earlier passes' histograms of all its row's chunks: 64 rows of 64K keys in chunks of 2,048
+# took 0.20 ms, one program a row 0.17). The split costs 5 launches (about 0.1 ms of host time eagerly):
+# decode, where rows are few, replays its steps from CUDA graphs, where only device time counts.
+BLOCK, WARPS = 2048, 4
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
-# Up to FEW_ROWS rows of at least SPLIT_FROM keys: one program per SPLIT_CHUNK columns (5 launches, not 1).
-SPLIT_CHUNK, SPLIT_BLOCK, SPLIT_WARPS = 4096, 4096, 8
-SPLIT_FROM, FEW_ROWS = 32768, 64
+SPLIT_FROM, SPLIT_PROGRAMS = 8192, 512  # rows of at least SPLIT_FROM keys, rows x chunks <= SPLIT_PROGRAMS
+SPLIT_SHAPES = ((16384, 2048, 4), (None, 4096, 8))  # (up to this many keys, chunk = block, warps)
+BUCKETS = True  # one program per row: the bucket shortcut to the threshold (see the docstring)
 
 
-@triton.jit
-def _keys(base, offs, end):
-    """Signed 32-bit keys in the scores' float order and the in-range mask (columns before ``end``)."""
-    valid = offs < end
-    s = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
-    s = tl.where(s == 0.0, 0.0, s)  # -0.0 == 0.0 in the order: one key for both
-    bits = s.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF), valid  # negative floats: reverse the magnitude bits
-
-
-@triton.jit
-def _count(base, lo, hi, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Histogram of the ``WIDTH`` bits at ``SHIFT`` of the keys in columns ``[lo, hi)`` whose bits above
-    them equal ``prefix`` (an exact integer count)."""
-    NB: tl.constexpr = 1 << WIDTH
-    hist = tl.zeros([NB], dtype=tl.int32)
-    missed = 0
-    for j0 in range(lo, hi, BLOCK):
-        offs = j0 + tl.arange(0, BLOCK)
-        key, valid = _keys(base, offs, hi)
-        ukey = ~(key ^ 0x7FFFFFFF)  # the sign bit flipped: unsigned order in the same 32 bits
-        if SHIFT + WIDTH < 32:
-            match = valid & (((ukey >> (SHIFT + WIDTH)) & ((1 << (32 - SHIFT - WIDTH)) - 1)) == prefix)
-        else:
-            match = valid
-        digit = (ukey >> SHIFT) & (NB - 1)
-        if MASKED:  # non-matching keys are left out of the count
-            hist += tl.histogram(digit, NB, mask=match)
-        else:  # no mask argument: non-matching keys go to bin 0 and are taken back out (they contend there)
-            hist += tl.histogram(tl.where(match, digit, 0), NB)
-            missed += tl.sum((~match).to(tl.int32), axis=0)
-    bins = tl.arange(0, NB)
-    return hist - tl.where(bins == 0, missed, 0)
-
-
-@triton.jit
-def _choose(hist, prefix, need, WIDTH: tl.constexpr):
-    """The bin of ``hist`` holding the ``need``-th largest key: the longer prefix, what is still needed
-    inside that bin, and the bin."""
-    bins = tl.arange(0, 1 << WIDTH)
-    above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # keys in higher bins than each bin
-    hit = (above < need) & (above + hist >= need)  # exactly one bin (it holds the need-th key)
-    b = tl.max(tl.where(hit, bins, -1), axis=0)
-    need -= tl.sum(tl.where(bins == b, above, 0), axis=0)
-    return (prefix << WIDTH) | b, need, b
-
-
-@triton.jit
-def _refine(base, n, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """One radix pass over a whole row."""
-    hist = _count(base, 0, n, prefix, SHIFT, WIDTH, BLOCK, MASKED)
-    prefix, need, _ = _choose(hist, prefix, need, WIDTH)
-    return prefix, need
-
-
-@triton.jit
-def _compact(base, out_idx, out_val, lo, hi, threshold, need, equal_before, written, BLOCK: tl.constexpr):
-    """Write the selected keys of columns ``[lo, hi)`` in column order, from slot ``written`` on
-    (``equal_before``: keys equal to the threshold in the row before ``lo``)."""
-    for j0 in range(lo, hi, BLOCK):
-        offs = j0 + tl.arange(0, BLOCK)
-        key, valid = _keys(base, offs, hi)
-        eq = valid & (key == threshold)
-        eq_rank = equal_before + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        sel = (valid & (key > threshold)) | (eq & (eq_rank < need))
-        at = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        bits = key ^ ((key >> 31) & 0x7FFFFFFF)  # the float's bits again (-0.0 came back as +0.0)
-        tl.store(out_idx + at, offs.to(tl.int64), mask=sel)
-        tl.store(out_val + at, bits.to(tl.float32, bitcast=True), mask=sel)
-        equal_before += tl.sum(eq.to(tl.int32), axis=0)
-        written += tl.sum(sel.to(tl.int32), axis=0)
-
-
-@triton.jit(do_not_specialize=["n", "k", "stride"])
-def _radix_select_kernel(s_ptr, idx_ptr, val_ptr, n, k, stride, BLOCK: tl.constexpr, RADIX: tl.constexpr,
-                         MASKED: tl.constexpr):  # fmt: skip
-    """One program per row: the passes, then the compaction."""
+@triton.jit(do_not_specialize=["n", "k", "stride", "cap"])
+def _radix_select_kernel(s_ptr, idx_ptr, val_ptr, cols_ptr, n, k, stride, cap, BLOCK: tl.constexpr,
+                         RADIX: tl.constexpr, MASKED: tl.constexpr, BUCKETS: tl.constexpr):  # fmt: skip
+    """One program per row: the threshold (through the buckets where they narrow the row to ``cap``
+    columns or fewer, else the passes over the row), then the compaction."""
     row = tl.program_id(0)
     base = s_ptr + row.to(tl.int64) * stride
+    out = row.to(tl.int64) * k
+    cols = cols_ptr + row.to(tl.int64) * cap
     prefix = tl.zeros([], dtype=tl.int32)
     need = k
-    if RADIX == 8:
-        prefix, need = _refine(base, n, prefix, need, 24, 8, BLOCK, MASKED)
-        prefix, need = _refine(base, n, prefix, need, 16, 8, BLOCK, MASKED)
-        prefix, need = _refine(base, n, prefix, need, 8, 8, BLOCK, MASKED)
-        prefix, need = _refine(base, n, prefix, need, 0, 8, BLOCK, MASKED)
-    else:
-        prefix, need = _refine(base, n, prefix, need, 21, 11, BLOCK, MASKED)
-        prefix, need = _refine(base, n, prefix, need, 10, 11, BLOCK, MASKED)
-        prefix, need = _refine(base, n, prefix, need, 0, 10, BLOCK, MASKED)
+    mode = 0  # 0: the passes over the row; 1: the threshold is -inf; 2: the columns listed at ``cols``
+    listed = 0
+    if BUCKETS:
+        lo, hi = _range(base, n, BLOCK)
+        width = hi - lo  # +inf with an infinite score or an overflow; -inf when every score is -inf
+        scale = tl.where(width > 0.0, 255.0 / tl.where(width > 0.0, width, 1.0), 0.0)
+        if (width < 3.0e38) & (scale < 3.0e38):
+            hist = _bucket_count(base, n, lo, scale, 0, lo, scale, False, BLOCK)
+            _, need1, b1 = _choose(hist, prefix, need, 8)
+            m = tl.sum(tl.where(tl.arange(0, 256) == b1, hist, 0), axis=0)
+            above = k - need1  # keys in the buckets above b1
+            b2 = 1  # every score's sub-bucket is >= 1: (b1, 1) is all of bucket b1
+            lo2 = lo
+            scale2 = scale
+            if b1 == 0:  # fewer than k finite scores: the threshold is -inf, its lowest columns fill the rest
+                prefix = _unsigned_key(tl.full([], -float("inf"), tl.float32))
+                need = need1
+                mode = 1
+            else:
+                if above + m > cap:  # bucket b1 is crowded: its 255 sub-buckets, one sweep more
+                    lo2 = lo + (b1 - 1).to(tl.float32) / scale
+                    hi2 = tl.where(b1 == 255, hi, lo + b1.to(tl.float32) / scale)
+                    width2 = hi2 - lo2
+                    scale2 = tl.where(width2 > 0.0, 255.0 / tl.where(width2 > 0.0, width2, 1.0), 0.0)
+                    if scale2 < 3.0e38:
+                        hist = _bucket_count(base, n, lo, scale, b1, lo2, scale2, True, BLOCK)
+                        _, need2, b2 = _choose(hist, prefix, need1, 8)
+                        m = tl.sum(tl.where(tl.arange(0, 256) == b2, hist, 0), axis=0)
+                        above = k - need2
+                if above + m <= cap:
+                    listed = _gather(base, n, lo, scale, b1, lo2, scale2, b2, cols, BLOCK)
+                    tl.debug_barrier()  # the list, stored by some threads, is read by others
+                    prefix, need = _passes(base, cols, listed, k, BLOCK, RADIX, MASKED, True)
+                    mode = 2
+    if mode == 0:
+        prefix, need = _passes(base, cols, n, k, BLOCK, RADIX, MASKED, False)
     threshold = ~(prefix ^ 0x7FFFFFFF)  # back to the signed key
-    out = row.to(tl.int64) * k
     zero = tl.zeros([], dtype=tl.int32)
-    _compact(base, idx_ptr + out, val_ptr + out, 0, n, threshold, need, zero, zero, BLOCK)
+    if mode == 2:  # every key at or above the threshold is listed, in column order
+        _compact(base, cols, idx_ptr + out, val_ptr + out, 0, listed, threshold, need, zero, zero, BLOCK, True)
+    else:
+        _compact(base, cols, idx_ptr + out, val_ptr + out, 0, n, threshold, need, zero, zero, BLOCK, False)
 
 
 @triton.jit
@@ -199,7 +194,7 @@ def _split_count_kernel(s_ptr, hist_ptr, n, k, stride, S, PASS: tl.constexpr, CH
     hist_row = hist_ptr + row.to(tl.int64) * 4 * S * 256
     prefix, _, _, _ = _replay(hist_row, S, split, k, PASS)
     lo = split * CHUNK
-    hist = _count(base, lo, tl.minimum(lo + CHUNK, n), prefix, 24 - 8 * PASS, 8, BLOCK, MASKED)
+    hist = _count(base, base, lo, tl.minimum(lo + CHUNK, n), prefix, 24 - 8 * PASS, 8, BLOCK, MASKED, False)
     tl.store(hist_row + (PASS * S + split) * 256 + tl.arange(0, 256), hist)
 
 
@@ -215,8 +210,8 @@ def _split_compact_kernel(s_ptr, hist_ptr, idx_ptr, val_ptr, n, k, stride, S, CH
     written = above_before + tl.minimum(equal_before, need)  # equal keys go to the lowest columns first
     out = row.to(tl.int64) * k
     lo = split * CHUNK
-    _compact(base, idx_ptr + out, val_ptr + out, lo, tl.minimum(lo + CHUNK, n), threshold, need, equal_before,
-             written, BLOCK)  # fmt: skip
+    _compact(base, base, idx_ptr + out, val_ptr + out, lo, tl.minimum(lo + CHUNK, n), threshold, need,
+             equal_before, written, BLOCK, False)  # fmt: skip
 
 
 def topk_triton(
@@ -228,19 +223,21 @@ def topk_triton(
     num_warps: int | None = None,
     masked: bool = MASKED,
     split: int | None = None,
+    buckets: bool = BUCKETS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in
     column order.
 
     ``radix``, ``block``, ``num_warps``, ``masked`` (the histogram's mask argument, or non-matching keys
     counted into bin 0 and taken back out), ``split`` (columns per program when several share a row; 0:
-    one program per row; None: by the shape, see ``SPLIT_FROM``): the kernel's shape - any gives the same
+    one program per row; None: by the shape, ``split_chunk``), ``buckets`` (one program per row: the
+    bucket shortcut to the threshold): the kernel's shape - any gives the same
     answer (``bench/topk.py --variants`` times them). Split launches use 8-bit digits."""
     rows, n = _check(scores, k)
     if radix not in (8, 11):
         raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
     if split is None:
-        split = SPLIT_CHUNK if rows <= FEW_ROWS and n >= SPLIT_FROM else 0
+        split = split_chunk(rows, n)
     if split < 0:
         raise ValueError(f"top-k: split must be >= 0 columns, got {split}")
     scores = scores.contiguous()
@@ -249,12 +246,12 @@ def topk_triton(
     if not rows or not k:
         return val, idx
     if split:
-        block = min(block or SPLIT_BLOCK, split)
+        block = min(block or split, 4096)
         if split % block:
             raise ValueError(f"top-k: split ({split}) must be a multiple of block ({block})")
         s = triton.cdiv(n, split)
         hist = torch.empty(rows, 4, s, 256, dtype=torch.int32, device=scores.device)
-        warps = num_warps or SPLIT_WARPS
+        warps = num_warps or next(w for top, c, w in SPLIT_SHAPES if top is None or n <= top)
         for p in range(4):
             _split_count_kernel[(rows, s)](
                 scores, hist, n, k, scores.stride(0), s, PASS=p, CHUNK=split, BLOCK=block, MASKED=masked,
@@ -266,10 +263,21 @@ def topk_triton(
         return val, idx
     block = block or BLOCK
     num_warps = num_warps or WARPS
+    # the bucket shortcut lists at most 2k columns a row; a row that short is cheaper through the passes
+    cap = 2 * k if buckets and n > 2 * k else 0
+    cols = torch.empty(rows if cap else 1, max(cap, 1), dtype=torch.int32, device=scores.device)
     _radix_select_kernel[(rows,)](
-        scores, idx, val, n, k, scores.stride(0), BLOCK=block, RADIX=radix, MASKED=masked, num_warps=num_warps
-    )
+        scores, idx, val, cols, n, k, scores.stride(0), cap, BLOCK=block, RADIX=radix, MASKED=masked,
+        BUCKETS=cap > 0, num_warps=num_warps,
+    )  # fmt: skip
     return val, idx
+
+
+def split_chunk(rows: int, n: int) -> int:
+    """Columns per program when several programs share a row of ``n`` keys (0: one program per row): a
+    speed choice only (see ``SPLIT_SHAPES``)."""
+    chunk = next(c for top, c, _ in SPLIT_SHAPES if top is None or n <= top)
+    return chunk if n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS else 0
 
 
 def topk_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
