@@ -84,11 +84,11 @@ def selection_rows(args: argparse.Namespace, device: str) -> list[dict]:
 
 
 VARIANTS = {  # name -> topk_triton keywords (every one gives the same answer, checked against the default)
+    "1 prog b2048 w8": {"split": 0, "block": 2048, "num_warps": 8},
+    "1 prog b2048 w8 passes": {"split": 0, "block": 2048, "num_warps": 8, "buckets": False},
     "1 prog b2048 w4": {"split": 0, "block": 2048, "num_warps": 4},
-    "1 prog b2048 w4 passes": {"split": 0, "block": 2048, "num_warps": 4, "buckets": False},
     "1 prog b1024 w4": {"split": 0, "block": 1024, "num_warps": 4},
     "1 prog b1024 w2": {"split": 0, "block": 1024, "num_warps": 2},
-    "1 prog b2048 w8": {"split": 0, "block": 2048, "num_warps": 8},
     "1 prog b4096 w8": {"split": 0, "block": 4096, "num_warps": 8},
     "split 2048 w4": {"split": 2048, "block": 2048, "num_warps": 4},
     "split 4096 w8": {"split": 4096, "block": 4096, "num_warps": 8},

@@ -91,15 +91,15 @@ from kvwarden.layers.sparse_attention import column_order
 # The kernel's shape (bench/topk.py --variants, device time; any shape gives the same answer). On the H200
 # (2026-12-03): 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); the
 # histogram's mask argument and the bin-0 form time within 3 % of each other. On the H100 (2026-12-06),
-# k = 2,048: with the bucket shortcut one program per row is best with blocks of 2,048 and 4 warps at 256-
-# 2,048 rows (64K x 2,048 rows: 1.93 ms against 3.60 with 4,096 and 8, 4.43 for the passes alone; the
-# shortcut is a latency chain, and smaller programs keep more of them in flight). For few rows a row split
-# over programs takes 0.034-0.070 ms at 8K-64K keys where one program takes 0.075-0.29: chunks of 2,048
-# columns up to 16K keys, 4,096 beyond, while the split makes at most SPLIT_PROGRAMS programs (each
-# re-reads the earlier passes' histograms of all its row's chunks: 64 rows of 64K keys in chunks of 2,048
-# took 0.20 ms, one program a row 0.17). The split costs 5 launches (about 0.1 ms of host time eagerly):
+# k = 2,048, with the bucket shortcut: one program per row is best with blocks of 2,048 and 8 warps, or
+# within a few % of the best, at 1-2,048 rows of 8K-64K keys (64K x 2,048 rows: 1.79 ms; 2.81 with blocks
+# of 4,096, 3.57 for the passes alone; blocks of 1,024 x 4 warps 1.69 there but 1.5x slower at 64K x 256).
+# For few rows a row split over programs takes 0.036-0.062 ms at 8K-64K keys where one program takes
+# 0.043-0.18: chunks of 2,048 columns up to 16K keys, 4,096 beyond, while the split makes at most
+# SPLIT_PROGRAMS programs (each re-reads the earlier passes' histograms of all its row's chunks: 64 rows of
+# 64K keys take 0.17-0.20 ms either way). The split costs 5 launches (about 0.1 ms of host time eagerly):
 # decode, where rows are few, replays its steps from CUDA graphs, where only device time counts.
-BLOCK, WARPS = 2048, 4
+BLOCK, WARPS = 2048, 8
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
 SPLIT_FROM, SPLIT_PROGRAMS = 8192, 512  # rows of at least SPLIT_FROM keys, rows x chunks <= SPLIT_PROGRAMS
