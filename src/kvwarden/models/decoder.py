@@ -154,7 +154,7 @@ class DecoderModel:
             h = h * self.cfg.embedding_multiplier
         batch.trace("embed", h)
         pending = None
-        batch.dsa_selection = batch.dsa_keys = None
+        batch.dsa_selection = batch.dsa_keys = batch.dsa_rope = None
         for layer in self.layers:
             h, pending = layer(h, batch, kv_caches, pending)
         if pending is None:

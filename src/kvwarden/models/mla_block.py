@@ -115,8 +115,7 @@ class MlaBlock:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         mla, ops, rows = self.mla, self.ops, x.shape[0]
-        half = mla.qk_rope_head_dim // 2
-        cos, sin = self.rope.cos[batch.positions, :half], self.rope.sin[batch.positions, :half]
+        cos, sin = self._rope_rows(batch, x.dtype)
         q_latent = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, LATENT_EPS)
         q = ops.linear(q_latent, self.wq_b).view(rows, self.heads, -1)
         q_nope, q_rope = q[..., : mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim :]
@@ -154,6 +153,16 @@ class MlaBlock:
         o = ops.linear_heads(o_latent, self.w_uv).reshape(rows, -1)
         batch.trace(f"{self.name}.core", o)
         return ops.linear(o, self.wo)
+
+    def _rope_rows(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[rows, rope / 2]`` of the step's positions in the model's dtype, gathered once a
+        step for every MLA layer. NOTE(invariance): the values every rotary here converted its table rows
+        to before (the rotaries convert to their input's dtype, the model's); only the launches are fewer."""
+        if batch.dsa_rope is None or batch.dsa_rope[0] is not self.rope:
+            half = self.mla.qk_rope_head_dim // 2
+            cos, sin = self.rope.cos[batch.positions, :half], self.rope.sin[batch.positions, :half]
+            batch.dsa_rope = (self.rope, cos.to(dtype), sin.to(dtype))
+        return batch.dsa_rope[1], batch.dsa_rope[2]
 
     def _select(
         self,

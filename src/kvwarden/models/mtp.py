@@ -95,7 +95,7 @@ class MtpHead:
     ) -> torch.Tensor:
         """Normalised output hidden states ``[rows, hidden]``; ``batch.input_ids`` are the tokens at ``p + 1``."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        batch.dsa_selection = batch.dsa_keys = None  # sparse attention: the head selects its own keys
+        batch.dsa_selection = batch.dsa_keys = batch.dsa_rope = None  # sparse attention: the head selects its own keys
         embedded = ops.rms_norm(self.embed[batch.input_ids], self.norm_embed, eps)
         h = ops.rms_norm(hidden.to(embedded.dtype), self.norm_hidden, eps)
         x = ops.linear(torch.cat([embedded, h], dim=-1), self.fc)
