@@ -57,8 +57,8 @@ class ForwardBatch:
             full indexer layer (``models/mla_block.py``); the layers that share it read it.
         dsa_keys: on the GPU backends, every query's key table ``(slots [requests, context], request of
             each row [rows])``, built once per step by the first full indexer layer.
-        dsa_rope: ``(rotary table, cos, sin)``: the rows of the step's positions in the model's dtype,
-            gathered once per step by the first MLA layer and read by the others with the same table.
+        dsa_rope: ``(cos, sin)``: the rotary table's rows of the step's positions in the model's dtype,
+            gathered once per step by the first MLA layer and read by the others.
         kv_exchange: under context parallelism, called by every attention layer between writing its rows'
             K/V and reading the cache: the other ranks' rows of the step land in this rank's cache.
     """
@@ -77,7 +77,7 @@ class ForwardBatch:
     # DSA (GLM-5): the last full indexer layer's selection, read by the shared layers after it
     dsa_selection: tuple[torch.Tensor, torch.Tensor] | None = None
     dsa_keys: tuple[torch.Tensor, torch.Tensor] | None = None
-    dsa_rope: tuple[object, torch.Tensor, torch.Tensor] | None = None
+    dsa_rope: tuple[torch.Tensor, torch.Tensor] | None = None
     kv_exchange: Callable[[tuple[torch.Tensor, torch.Tensor]], None] | None = None
 
     def exchange_kv(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -157,12 +157,13 @@ class MlaBlock:
     def _rope_rows(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[rows, rope / 2]`` of the step's positions in the model's dtype, gathered once a
         step for every MLA layer. NOTE(invariance): the values every rotary here converted its table rows
-        to before (the rotaries convert to their input's dtype, the model's); only the launches are fewer."""
-        if batch.dsa_rope is None or batch.dsa_rope[0] is not self.rope:
+        to before (the rotaries convert to their input's dtype, the model's); only the launches are fewer.
+        Every layer, the MTP head's included, shares the model's one rotary table."""
+        if batch.dsa_rope is None:
             half = self.mla.qk_rope_head_dim // 2
             cos, sin = self.rope.cos[batch.positions, :half], self.rope.sin[batch.positions, :half]
-            batch.dsa_rope = (self.rope, cos.to(dtype), sin.to(dtype))
-        return batch.dsa_rope[1], batch.dsa_rope[2]
+            batch.dsa_rope = (cos.to(dtype), sin.to(dtype))
+        return batch.dsa_rope
 
     def _select(
         self,

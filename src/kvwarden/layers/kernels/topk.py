@@ -104,6 +104,7 @@ RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
 SPLIT_FROM, SPLIT_PROGRAMS = 8192, 512  # rows of at least SPLIT_FROM keys, rows x chunks <= SPLIT_PROGRAMS
 SPLIT_SHAPES = ((16384, 2048, 4), (None, 4096, 8))  # (up to this many keys, chunk = block, warps)
+SPLIT_BLOCK = 4096  # the split form's largest block (a chunk is walked in blocks of min(chunk, this))
 BUCKETS = True  # one program per row: the bucket shortcut to the threshold (see the docstring)
 
 
@@ -246,12 +247,12 @@ def topk_triton(
     if not rows or not k:
         return val, idx
     if split:
-        block = min(block or split, 4096)
+        block = min(block or SPLIT_BLOCK, split)
         if split % block:
             raise ValueError(f"top-k: split ({split}) must be a multiple of block ({block})")
         s = triton.cdiv(n, split)
         hist = torch.empty(rows, 4, s, 256, dtype=torch.int32, device=scores.device)
-        warps = num_warps or next(w for top, c, w in SPLIT_SHAPES if top is None or n <= top)
+        warps = num_warps or _split_shape(n)[1]
         for p in range(4):
             _split_count_kernel[(rows, s)](
                 scores, hist, n, k, scores.stride(0), s, PASS=p, CHUNK=split, BLOCK=block, MASKED=masked,
@@ -276,8 +277,13 @@ def topk_triton(
 def split_chunk(rows: int, n: int) -> int:
     """Columns per program when several programs share a row of ``n`` keys (0: one program per row): a
     speed choice only (see ``SPLIT_SHAPES``)."""
-    chunk = next(c for top, c, _ in SPLIT_SHAPES if top is None or n <= top)
+    chunk = _split_shape(n)[0]
     return chunk if n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS else 0
+
+
+def _split_shape(n: int) -> tuple[int, int]:
+    """``(chunk, warps)`` of the split form for rows of ``n`` keys (``SPLIT_SHAPES``)."""
+    return next((chunk, warps) for top, chunk, warps in SPLIT_SHAPES if top is None or n <= top)
 
 
 def topk_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
