@@ -92,6 +92,8 @@ VARIANTS = {  # name -> topk_triton keywords (every one gives the same answer, c
     "1 prog b4096 w8": {"split": 0, "block": 4096, "num_warps": 8},
     "split 2048 w4": {"split": 2048, "block": 2048, "num_warps": 4},
     "split 4096 w8": {"split": 4096, "block": 4096, "num_warps": 8},
+    "split 8192 w8": {"split": 8192, "block": 4096, "num_warps": 8},
+    "split 16384 w8": {"split": 16384, "block": 4096, "num_warps": 8},
 }
 
 

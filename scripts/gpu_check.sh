@@ -12,6 +12,7 @@
 #                                                     # (SPEED_ARGS replaces its flags; parts past the deadline skip)
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
 #   scripts/gpu_check.sh full gemm                    # the GEMM's fixed splits of K against the unsplit kernel
+#   scripts/gpu_check.sh full gemv                    # narrower output tiles for 1-64 rows: time and bits
 #   scripts/gpu_check.sh full attntiles               # the attention kernel's tile candidates, decode and prefill
 #   scripts/gpu_check.sh full overlap                 # async scheduling vs serial steps: a decode step's wall time
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
@@ -28,7 +29,7 @@
 #   scripts/gpu_check.sh full dsa                     # sparse attention (GLM-5, DeepSeek-V3.2): kernels, agreement,
 #                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, gemm, attntiles, speed, speedoffline, speedrows, serving, overlap, profile, pd,
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, gemm, gemv, attntiles, speed, speedoffline, speedrows, serving, overlap, profile, pd,
 # fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
@@ -74,7 +75,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 if want tests; then
   stage "kernel and engine tests on the GPU (float32 and bfloat16)"
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts="" ${TESTS_ARGS:-tests/test_kernels.py tests/test_hybrid_kernels.py \
-    tests/test_triton_engine.py tests/test_topk.py} \
+    tests/test_triton_engine.py tests/test_topk.py tests/test_gemm_few_rows.py} \
     2>&1 | tee "$OUT/tests.log" | tail -n 25
   record "GPU tests (kernels + engine properties)" "$(tail -n 1 "$OUT/tests.log")"
 fi
@@ -139,6 +140,13 @@ if want gemm; then  # the canonical GEMM's fixed splits of K against the unsplit
   timeout "${GEMM_TIMEOUT:-240}" python3 bench/gemm_split.py ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_split.log" | grep -v '^{' | tail -n 60
   tail -n 1 "$OUT/gemm_split.log" > "$OUT/gemm_split.json"
   record "GEMM splits: bitwise; b1 chosen vs unsplit (0.6b)" "$(python3 -c "import json; d=json.load(open('$OUT/gemm_split.json')); print(d['bitwise'], [(r['name'].split()[-1], round(r['unsplit_us'] / r['chosen_us'], 2)) for r in d['rows'] if r['rows'] == 1 and r['name'].startswith('qwen3-0.6b')])" 2>&1 | tail -n 1)"
+fi
+
+if want gemv; then  # narrower output tiles for GEMV-shaped launches: time, and the bits against the table's tiles
+  stage "GEMV: BLOCK_N / stages variants of each weight's configuration at 1-64 rows, bitwise against 2,048 rows"
+  timeout "${GEMV_TIMEOUT:-400}" python3 bench/gemv.py ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log" | grep -v '^{' | tail -n 150
+  tail -n 1 "$OUT/gemv.log" > "$OUT/gemv.json"
+  record "GEMV: b1 base -> best same-bits us" "$(python3 -c "import json; d=json.load(open('$OUT/gemv.json')); print([(r['name'], round(r['base_us'], 1), round(r['best_us'], 1)) for r in d['best'] if r['rows'] == 1])" 2>&1 | tail -n 1)"
 fi
 
 if want attntiles; then  # the attention kernel's key tile, warps and stages on decode and prefill shapes

@@ -8,7 +8,10 @@ NOTE(invariance), by construction:
   measured table, ``gemm_tuned.json``, else a fixed rule; :func:`split_blocks`).
   The number of rows ``M`` changes the grid, never the arithmetic: a row
   computed in a 1-row decode and in a 4000-row prefill runs the same sequence
-  of operations (``M`` is not specialised).
+  of operations (``M`` is not specialised). A launch of at most one tile of
+  rows may own fewer columns per program and pipeline deeper (``BLOCK_N`` and
+  stages from the table's few-rows entries, :func:`launch_config`): neither
+  enters an element's arithmetic, and the split of K stays the weight's.
 * ``K`` is cut into splits at fixed boundaries (``SPLIT_BLOCKS`` blocks of
   ``BLOCK_K`` from 0 upwards). Each split's partial sum starts at zero and
   walks its blocks in order with ``tl.dot``, accumulating in float32; the
@@ -41,16 +44,22 @@ backs ``numerics="shape-dependent"``.
 from __future__ import annotations
 
 import functools
-import json
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from kvwarden.intmath import cdiv
+from kvwarden.layers.kernels.gemm_config import (  # noqa: F401 (re-exported: gemm.gemm_config, gemm.GemmConfig, ...)
+    GemmConfig,
+    gemm_config,
+    launch_config,
+    split_blocks,
+    splits_in_parallel,
+    tuned_key,
+    tuned_table,
+)
 
 # Under Triton's CPU interpreter tl.dot is numpy's BLAS, whose result for a row depends on the row's
 # position in the tile; there the product is an element-wise multiply and an in-order sum instead,
@@ -58,83 +67,7 @@ from kvwarden.intmath import cdiv
 # Compiled on a GPU, the matrix instruction treats every row of its tile alike.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-# The split of K (numerics: a function of the weight's shape and tile configuration only). A weight whose
-# K is at least SPLIT_FROM_K gets up to TARGET_PROGRAMS / (its output tiles) splits, each at least
-# MIN_SPLIT_K long (H100, bench/gemm_split.py --sweep: one program per tile walking 2,048-12,288 of K
-# left the GEMV-shaped launch latency-bound; splits of ~512 halved it; shorter ones, or splitting a
-# K of 1,024, gained nothing at one row and cost up to 1.5x at 2,048 rows).
-TARGET_PROGRAMS = 128  # about one wave of an H100's or H200's 132 SMs
-SPLIT_FROM_K = 2048
-MIN_SPLIT_K = 512
-# When the splits run in parallel (speed only): launches of fewer output tiles than this, whose float32
-# partials (written once, read once) cost at most PARTIAL_BYTES_PER_WEIGHT_BYTE of the weight's bytes.
-PARALLEL_MAX_TILES = 64
-PARTIAL_BYTES_PER_WEIGHT_BYTE = 1.0
 COUNTERS = 1024  # per-tile arrival counters a caller keeps zeroed (:func:`new_counters`)
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def tuned_key(n: int, k: int, dtype: torch.dtype) -> str:
-    return f"{n}x{k}:{str(dtype).removeprefix('torch.')}"
-
-
-@functools.cache
-def tuned_table(device_name: str) -> dict[str, GemmConfig]:
-    """Tile configurations measured for one GPU model (``bench/tune_gemm.py`` writes them).
-
-    Read once per process from ``KVWARDEN_GEMM_TABLE`` or the packaged ``gemm_tuned.json``: a table
-    fixed for the life of the engine keeps every weight's configuration fixed.
-    """
-    path = Path(os.environ.get("KVWARDEN_GEMM_TABLE") or Path(__file__).with_name("gemm_tuned.json"))
-    if not path.is_file():
-        return {}
-    entries = json.loads(path.read_text()).get(device_name, {}).get("shapes", {})
-    return {key: GemmConfig(**cfg) for key, cfg in entries.items()}
-
-
-def gemm_config(n: int, k: int, dtype: torch.dtype, device_name: str = "") -> GemmConfig:
-    """The one tile configuration for a weight of shape ``[n, k]`` (never depends on the row count):
-    the tuned one for this GPU model when ``gemm_tuned.json`` has it, else a fixed rule."""
-    tuned = tuned_table(device_name).get(tuned_key(n, k, dtype)) if device_name else None
-    if tuned is not None:
-        return tuned
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    block_n = 128 if n >= 4096 else 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    if dtype == torch.float32:  # ieee fp32 dots need more registers per element
-        return GemmConfig(32, min(block_n, 64), min(block_k, 32), 4, 2)
-    return GemmConfig(64, block_n, block_k, 4, 3)
-
-
-def split_blocks(n: int, k: int, cfg: GemmConfig) -> int:
-    """Blocks of ``BLOCK_K`` per split of K: every split but the last has exactly this many.
-
-    A function of the weight's shape and configuration only (never of ``M``): it fixes the order of
-    the float32 adds. All of K (one split) when the weight has output tiles enough to fill the GPU.
-    """
-    k_blocks = cdiv(k, cfg.block_k)
-    splits = min(cdiv(TARGET_PROGRAMS, cdiv(n, cfg.block_n)), k // MIN_SPLIT_K) if k >= SPLIT_FROM_K else 1
-    return k_blocks if splits <= 1 else cdiv(k_blocks, splits)
-
-
-def splits_in_parallel(m: int, n: int, k: int, cfg: GemmConfig, elem_bytes: int) -> bool:
-    """Whether a launch runs its splits in parallel: several splits, few output tiles, and partials
-    cheap beside the weight's bytes. A speed choice only (module docstring)."""
-    nsplit = cdiv(cdiv(k, cfg.block_k), split_blocks(n, k, cfg))
-    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    partial_bytes = 8 * nsplit * m * n  # float32, written and read back
-    return (
-        nsplit > 1
-        and tiles < PARALLEL_MAX_TILES
-        and partial_bytes <= PARTIAL_BYTES_PER_WEIGHT_BYTE * n * k * elem_bytes
-    )
 
 
 def new_counters(device: torch.device | str) -> torch.Tensor:
@@ -280,8 +213,9 @@ def launch(
     ``[M, H, N]``, head ``h``'s columns from its own weight (:func:`linear_heads`); ``glu``: ``weight
     [2N, K]`` (gate rows, then up rows) gives ``silu(gate) * up`` ``[M, N]`` (:func:`linear_swiglu`), its
     tiles half as wide so that a program does the unfused one's work. ``blocks`` overrides
-    :func:`split_blocks` (``bench/gemm_split.py`` times the unsplit kernel with it): the engine never
-    passes it, since it changes the bits.
+    :func:`split_blocks` of ``cfg``: the engine passes the weight's own split with few-rows tiles
+    (:func:`launch_config`); any other value changes the bits (``bench/gemm_split.py`` times the
+    unsplit kernel with it).
     """
     heads = x.shape[1] if x.dim() == 3 else 1
     m, k = x.shape[0], x.shape[-1]
@@ -335,7 +269,7 @@ def linear(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    cfg = gemm_config(n, k, x.dtype, device_name(x.device))
+    cfg, blocks = launch_config(m, n, k, x.dtype, device_name(x.device))
     if parallel is None:
-        parallel = counters is not None and splits_in_parallel(m, n, k, cfg, x.element_size())
-    return launch(x, weight, bias, cfg, parallel, counters)
+        parallel = counters is not None and splits_in_parallel(m, n, k, cfg, x.element_size(), blocks)
+    return launch(x, weight, bias, cfg, parallel, counters, blocks)

@@ -30,8 +30,8 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor |
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m, heads, k = x.shape
     n = weight.shape[1]
-    cfg = gemm.gemm_config(n, k, x.dtype, gemm.device_name(x.device))
-    parallel = counters is not None and gemm.splits_in_parallel(m, n, k, cfg, x.element_size())
+    cfg, blocks = gemm.launch_config(m, n, k, x.dtype, gemm.device_name(x.device))
+    parallel = counters is not None and gemm.splits_in_parallel(m, n, k, cfg, x.element_size(), blocks)
     return gemm.launch(
         x,
         weight,
@@ -39,6 +39,7 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor |
         cfg,
         parallel and cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * heads <= gemm.COUNTERS,
         counters,
+        blocks,
     )
 
 
@@ -59,9 +60,12 @@ def linear_swiglu(
     n = weight.shape[0]
     if n % 2:
         raise ValueError(f"linear_swiglu: a [gate; up] weight has an even row count, got {n}")
-    cfg = gemm.gemm_config(n, k, x.dtype, gemm.device_name(x.device))
+    name = gemm.device_name(x.device)
+    cfg, blocks = gemm.launch_config(m, n, k, x.dtype, name)
+    if cfg.block_n < 2 * MIN_BLOCK_N:  # few-rows tiles too narrow to halve: the weight's own (the same bits)
+        cfg = gemm.gemm_config(n, k, x.dtype, name)
     if cfg.block_n < 2 * MIN_BLOCK_N:  # too narrow to halve: the two launches (the same bits)
         gate_up = gemm.linear(x, weight, bias, counters)
         return pointwise.silu_mul(gate_up[:, : n // 2], gate_up[:, n // 2 :])
-    parallel = counters is not None and gemm.splits_in_parallel(m, n, k, cfg, x.element_size())
-    return gemm.launch(x, weight, bias, cfg, parallel, counters, glu=True)
+    parallel = counters is not None and gemm.splits_in_parallel(m, n, k, cfg, x.element_size(), blocks)
+    return gemm.launch(x, weight, bias, cfg, parallel, counters, blocks, glu=True)
