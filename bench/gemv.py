@@ -179,7 +179,11 @@ def main() -> None:
     print("| weight | config | bitwise | " + " | ".join(f"{m} rows us" for m in rows) + " |")
     print("|---|---|---|" + "---|" * len(rows))
     other = not args.write  # tuning tries only what keeps the instruction
-    shapes_out = [run_shape(name, n, k, glu, rows, dtype, device, other) for name, n, k, glu in shapes]
+    shapes_out, written = [], None
+    for name, n, k, glu in shapes:
+        shapes_out.append(run_shape(name, n, k, glu, rows, dtype, device, other))
+        if args.write:  # after every shape: a timeout keeps what was measured
+            written = write_table(Path(args.write), device, dtype, shapes_out, rows, args.min_gain)
     print("\n| weight | rows | base us | best same-bits us | speed-up | best config |")
     print("|---|---|---|---|---|---|")
     summary = []
@@ -194,7 +198,6 @@ def main() -> None:
             summary.append(r)
     differs = [(s["name"], v["cfg"]) for s in shapes_out for v in s["variants"] if not v["same"]]
     print(f"variants whose bits differ (or failed): {len(differs)}")
-    written = write_table(Path(args.write), device, dtype, shapes_out, rows, args.min_gain) if args.write else None
     if args.write:
         print(f"few-rows entries for {device} in {args.write}: {written}")
     out = {"bench": "gemv", "device": device, "dtype": args.dtype, "best": summary, "shapes": shapes_out}
