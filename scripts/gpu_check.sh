@@ -13,6 +13,7 @@
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
 #   scripts/gpu_check.sh full gemm                    # the GEMM's fixed splits of K against the unsplit kernel
 #   scripts/gpu_check.sh full gemv                    # narrower output tiles for 1-64 rows: time and bits
+#                                                     # (GEMV_WRITE=1: record them; later stages use the table)
 #   scripts/gpu_check.sh full attntiles               # the attention kernel's tile candidates, decode and prefill
 #   scripts/gpu_check.sh full overlap                 # async scheduling vs serial steps: a decode step's wall time
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
@@ -144,7 +145,11 @@ fi
 
 if want gemv; then  # narrower output tiles for GEMV-shaped launches: time, and the bits against the table's tiles
   stage "GEMV: BLOCK_N / stages variants of each weight's configuration at 1-64 rows, bitwise against 2,048 rows"
-  timeout "${GEMV_TIMEOUT:-400}" python3 bench/gemv.py ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log" | grep -v '^{' | tail -n 150
+  # GEMV_WRITE=1: record this GPU's few-rows entries into $OUT/gemm_tuned.json; later stages of the call use it
+  [ -n "${GEMV_WRITE:-}" ] && [ ! -s "$OUT/gemm_tuned.json" ] && cp src/kvwarden/layers/kernels/gemm_tuned.json "$OUT/"
+  timeout "${GEMV_TIMEOUT:-400}" python3 bench/gemv.py ${GEMV_WRITE:+--write "$OUT/gemm_tuned.json" --rows 1,16,64} \
+    ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log" | grep -v '^{' | tail -n 150
+  [ -n "${GEMV_WRITE:-}" ] && [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"
   tail -n 1 "$OUT/gemv.log" > "$OUT/gemv.json"
   record "GEMV: b1 base -> best same-bits us" "$(python3 -c "import json; d=json.load(open('$OUT/gemv.json')); print([(r['name'], round(r['base_us'], 1), round(r['best_us'], 1)) for r in d['best'] if r['rows'] == 1])" 2>&1 | tail -n 1)"
 fi
