@@ -47,24 +47,25 @@ def tuned_key(n: int, k: int, dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def _device_entry(device_name: str) -> dict:
-    """This GPU model's entry of the table: ``KVWARDEN_GEMM_TABLE`` or the packaged ``gemm_tuned.json``,
-    read once per process (a table fixed for the life of the engine keeps every configuration fixed)."""
+def _device_tables(device_name: str) -> tuple[dict[str, GemmConfig], dict[str, tuple[int, int]]]:
+    """This GPU model's two tables, read once per process from ``KVWARDEN_GEMM_TABLE`` or the packaged
+    ``gemm_tuned.json`` (a table fixed for the life of the engine keeps every configuration fixed; and
+    every GEMM launch looks its tiles up here, so the lookup is a cached dict, not a file read)."""
     path = Path(os.environ.get("KVWARDEN_GEMM_TABLE") or Path(__file__).with_name("gemm_tuned.json"))
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text()).get(device_name, {})
+    entry = json.loads(path.read_text()).get(device_name, {}) if path.is_file() else {}
+    shapes = {key: GemmConfig(**cfg) for key, cfg in entry.get("shapes", {}).items()}
+    few = {key: (e["block_n"], e["num_stages"]) for key, e in entry.get("few_rows", {}).items()}
+    return shapes, few
 
 
 def tuned_table(device_name: str) -> dict[str, GemmConfig]:
     """Tile configurations measured for one GPU model (``bench/tune_gemm.py`` writes them)."""
-    return {key: GemmConfig(**cfg) for key, cfg in _device_entry(device_name).get("shapes", {}).items()}
+    return _device_tables(device_name)[0]
 
 
 def few_rows_table(device_name: str) -> dict[str, tuple[int, int]]:
     """``(BLOCK_N, stages)`` measured for launches of at most one tile of rows (``bench/gemv.py --write``)."""
-    entries = _device_entry(device_name).get("few_rows", {})
-    return {key: (e["block_n"], e["num_stages"]) for key, e in entries.items()}
+    return _device_tables(device_name)[1]
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype, device_name: str = "") -> GemmConfig:
