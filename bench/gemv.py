@@ -44,7 +44,6 @@ SHAPES = (
 )
 ROWS = (1, 4, 16, 64)
 BIG = 2048  # the base's rows come from one launch of this many rows (a prefill's tile layout)
-PACKAGED = Path(__file__).resolve().parents[1] / "src/kvwarden/layers/kernels/gemm_tuned.json"
 
 
 def variants(base, glu: bool, other: bool = True) -> list[tuple[str, object]]:
@@ -108,19 +107,21 @@ def best_rows(shape: dict, rows: list[int]) -> list[dict]:
     out = []
     for m in rows:
         same = [v for v in shape["variants"] if v["same"] and v["kind"] != "other" and m in v["us"]]
+        if m not in base["us"] or not same:  # the base failed to compile here: nothing to compare
+            continue
         best = min(same, key=lambda v: v["us"][m])
-        out.append(dict(name=shape["name"], rows=m, base_us=base["us"].get(m), best_us=best["us"][m], best=best["cfg"]))
+        out.append(dict(name=shape["name"], rows=m, base_us=base["us"][m], best_us=best["us"][m], best=best["cfg"]))
     return out
 
 
 def table_shapes(device: str, dtype: torch.dtype) -> list[tuple[str, int, int, bool]]:
     """The list above and this GPU's tuned shapes of ``dtype`` (not the LM head: its tiles fill the GPU)."""
-    from kvwarden.layers.kernels.gemm_config import tuned_key, tuned_table
+    from kvwarden.layers.kernels.gemm_config import parse_tuned_key, tuned_key, tuned_table
 
     listed = {tuned_key(n, k, dtype): (name, n, k, glu) for name, n, k, glu in SHAPES}
     for key in tuned_table(device):
-        n, k = map(int, key.split(":")[0].split("x"))
-        if key.endswith(str(dtype).removeprefix("torch.")) and n < 65536:
+        n, k, key_dtype = parse_tuned_key(key)
+        if key_dtype == dtype and n < 65536:
             listed.setdefault(key, (key, n, k, False))
     return list(listed.values())
 
@@ -142,10 +143,11 @@ def record(shape: dict, rows: list[int], min_gain: float) -> dict | None:
 
 
 def write_table(path: Path, device: str, dtype: torch.dtype, shapes: list[dict], rows: list[int], gain: float) -> int:
-    """Merge this GPU's few-rows entries into the table at ``path`` (a copy of the packaged one if absent)."""
-    from kvwarden.layers.kernels.gemm_config import tuned_key
+    """Merge this GPU's few-rows entries into the table at ``path`` (if absent, a copy of the one the engine
+    reads: ``KVWARDEN_GEMM_TABLE`` or the packaged one)."""
+    from kvwarden.layers.kernels.gemm_config import table_path, tuned_key
 
-    table = json.loads((path if path.is_file() else PACKAGED).read_text())
+    table = json.loads((path if path.is_file() else table_path()).read_text())
     entry = table.setdefault(device, {"shapes": {}, "measured": {}})
     few = entry.setdefault("few_rows", {})
     for shape in shapes:
@@ -190,7 +192,7 @@ def main() -> None:
     for shape in shapes_out:
         for r in best_rows(shape, rows):
             c = r["best"]
-            gain = r["base_us"] / r["best_us"] if r["base_us"] else float("nan")
+            gain = r["base_us"] / r["best_us"]
             print(
                 f"| {r['name']} | {r['rows']} | {r['base_us']:.1f} | {r['best_us']:.1f} | {gain:.2f}x | "
                 f"n{c['block_n']} s{c['num_stages']} |"

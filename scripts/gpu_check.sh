@@ -146,7 +146,6 @@ fi
 if want gemv; then  # narrower output tiles for GEMV-shaped launches: time, and the bits against the table's tiles
   stage "GEMV: BLOCK_N / stages variants of each weight's configuration at 1-64 rows, bitwise against 2,048 rows"
   # GEMV_WRITE=1: record this GPU's few-rows entries into $OUT/gemm_tuned.json; later stages of the call use it
-  [ -n "${GEMV_WRITE:-}" ] && [ ! -s "$OUT/gemm_tuned.json" ] && cp src/kvwarden/layers/kernels/gemm_tuned.json "$OUT/"
   timeout "${GEMV_TIMEOUT:-400}" python3 bench/gemv.py ${GEMV_WRITE:+--write "$OUT/gemm_tuned.json" --rows 1,16,64} \
     ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log" | grep -v '^{' | tail -n 150
   [ -n "${GEMV_WRITE:-}" ] && [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,7 @@ from kvwarden.layers.kernels import gemm, gemm_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
-# the table the engine reads: a freshly measured one (KVWARDEN_GEMM_TABLE) or the packaged one
-TABLE = Path(os.environ.get("KVWARDEN_GEMM_TABLE") or Path(gemm_config.__file__).with_name("gemm_tuned.json"))
+TABLE = gemm_config.table_path()  # the one the engine reads: KVWARDEN_GEMM_TABLE or the packaged one
 
 
 def rand(g: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -99,9 +97,7 @@ def test_recorded_few_rows_entries_keep_the_bits(device: str, key: str) -> None:
     of the weight's tiles at 1 row and at a whole tile of rows."""
     entry = json.loads(TABLE.read_text())[device]
     few = entry["few_rows"][key]
-    shape, dtype_name = key.split(":")
-    n, k = map(int, shape.split("x"))
-    dtype = getattr(torch, dtype_name)
+    n, k, dtype = gemm_config.parse_tuned_key(key)
     own = gemm.GemmConfig(**entry["shapes"][key]) if key in entry["shapes"] else gemm.gemm_config(n, k, dtype)
     assert set(few) >= {"block_n", "num_stages"} and 16 <= few["block_n"] <= own.block_n
     assert few["block_n"] & (few["block_n"] - 1) == 0 and 1 <= few["num_stages"] <= 6

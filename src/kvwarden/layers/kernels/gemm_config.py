@@ -46,12 +46,24 @@ def tuned_key(n: int, k: int, dtype: torch.dtype) -> str:
     return f"{n}x{k}:{str(dtype).removeprefix('torch.')}"
 
 
+def parse_tuned_key(key: str) -> tuple[int, int, torch.dtype]:
+    """``(n, k, dtype)`` of a table key (the inverse of :func:`tuned_key`)."""
+    shape, dtype = key.split(":")
+    n, k = map(int, shape.split("x"))
+    return n, k, getattr(torch, dtype)
+
+
+def table_path() -> Path:
+    """The table the engine reads: ``KVWARDEN_GEMM_TABLE`` (a freshly measured one) or the packaged one."""
+    return Path(os.environ.get("KVWARDEN_GEMM_TABLE") or Path(__file__).with_name("gemm_tuned.json"))
+
+
 @functools.cache
 def _device_tables(device_name: str) -> tuple[dict[str, GemmConfig], dict[str, tuple[int, int]]]:
     """This GPU model's two tables, read once per process from ``KVWARDEN_GEMM_TABLE`` or the packaged
     ``gemm_tuned.json`` (a table fixed for the life of the engine keeps every configuration fixed; and
     every GEMM launch looks its tiles up here, so the lookup is a cached dict, not a file read)."""
-    path = Path(os.environ.get("KVWARDEN_GEMM_TABLE") or Path(__file__).with_name("gemm_tuned.json"))
+    path = table_path()
     entry = json.loads(path.read_text()).get(device_name, {}) if path.is_file() else {}
     shapes = {key: GemmConfig(**cfg) for key, cfg in entry.get("shapes", {}).items()}
     few = {key: (e["block_n"], e["num_stages"]) for key, e in entry.get("few_rows", {}).items()}
