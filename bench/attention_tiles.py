@@ -12,9 +12,19 @@ the prefill that wrote the cache, bitwise) and times: decode at batch 1 over a
 bandwidth. Qwen3-0.6B's attention shape by default (16 query heads, 8 KV heads, head 128;
 ``--heads`` for others), bfloat16, 16-token blocks. Ends with one JSON line.
 
+``--query-tiles DECODE,PREFILL`` (an experiment; the engine's query tile is always ``BLOCK_Q``
+positions) also builds the decode metas with tiles of ``DECODE`` positions and the prefill's with
+``PREFILL`` (``AttentionMeta.build(block_q=...)``), and reports, per candidate: whether the decode
+of position 2047 in a ``DECODE``-position tile equals row 2047 of the prefill in ``PREFILL``-position
+tiles (bitwise), whether that prefill equals the ``BLOCK_Q``-tile prefill on every row (else how many
+rows differ), and the decode timings with ``DECODE`` tiles and the prefill's with ``PREFILL`` tiles.
+``--prefill-warps N`` runs the ``PREFILL``-tile prefill launches with ``N`` warps (default: the
+candidate's), for large tiles (64 positions x GQA 2 = 128 rows x head 128).
+
     python bench/attention_tiles.py
     python bench/attention_tiles.py --heads 32,8,128 --candidate 32,4,2 --candidate 64,4,2   # Llama-3-8B's GQA 4
     python bench/attention_tiles.py --candidate 64,4,2,1024 --candidate 64,4,2,256           # split lengths
+    python bench/attention_tiles.py --query-tiles 1,64 --candidate 64,4,2 --candidate 64,1,2 --prefill-warps 8
 """
 
 from __future__ import annotations
@@ -33,18 +43,23 @@ CANDIDATES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 
 BLOCK = 16
 
 
+def decode_meta(perm: torch.Tensor, ctx: int, block_q: int | None = None) -> object:
+    """Decode of position ``ctx - 1`` for each request of ``perm`` (tiles of ``block_q`` positions)."""
+    from kvwarden.layers.kernels.attention import BLOCK_Q, AttentionMeta
+
+    seqs = [(i, ctx - 1, 1, perm[i].tolist()) for i in range(perm.shape[0])]
+    return AttentionMeta.build(seqs, "cuda", block_q=block_q or BLOCK_Q)
+
+
 def setup(batch: int, ctx: int, heads: tuple[int, int, int], gen: torch.Generator, dtype: torch.dtype) -> tuple:
     """A cache holding ``batch`` contexts of ``ctx`` keys, shuffled blocks; decode queries at position ctx - 1."""
-    from kvwarden.layers.kernels.attention import AttentionMeta
-
     hq, hkv, d = heads
     blocks = -(-ctx // BLOCK)
     perm = torch.randperm(batch * blocks, generator=gen).view(batch, blocks)
     k = (torch.randn((batch * blocks * BLOCK, hkv, d), generator=gen) * 0.5).to(dtype).cuda()
     v = torch.randn((batch * blocks * BLOCK, hkv, d), generator=gen).to(dtype).cuda()
     q = torch.randn((batch, hq, d), generator=gen).to(dtype).cuda()
-    meta = AttentionMeta.build([(i, ctx - 1, 1, perm[i].tolist()) for i in range(batch)], "cuda")
-    return q, k, v, meta, perm
+    return q, k, v, decode_meta(perm, ctx), perm
 
 
 def time_us(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object, cand: tuple[int, ...]) -> float:
@@ -59,7 +74,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--candidate", action="append", default=None, help="BLOCK_N,warps,stages[,split] (repeatable)")
     p.add_argument("--heads", default="16,8,128", help="query heads, KV heads, head size (Llama-3-8B: 32,8,128)")
+    p.add_argument("--query-tiles", default=None, help="DECODE,PREFILL: query tile positions to compare (e.g. 1,64)")
+    p.add_argument("--prefill-warps", type=int, default=None, help="warps of the PREFILL-tile prefill launches")
     args = p.parse_args()
+    qt = tuple(int(x) for x in args.query_tiles.split(",")) if args.query_tiles else None
     heads = tuple(int(x) for x in args.heads.split(","))
     from kvwarden.layers.kernels.attention import AttentionMeta, paged_attention
 
@@ -67,18 +85,24 @@ def main() -> None:
     dtype, scale = torch.bfloat16, heads[2] ** -0.5
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth("cuda")
-    cases = {
-        name: setup(b, ctx, heads, gen, dtype)
-        for name, b, ctx in (("b1x16K", 1, 16384), ("b1x1K", 1, 1025), ("b64x512", 64, 512), ("b256x640", 256, 640))
-    }
+    shapes = (("b1x16K", 1, 16384), ("b1x1K", 1, 1025), ("b64x512", 64, 512), ("b256x640", 256, 640))
+    cases = {name: setup(b, ctx, heads, gen, dtype) for name, b, ctx in shapes}
     # one 2,048-token prompt: the prefill chunk, and the decode of its last position from the same cache
     _, pk, pv, pmeta, pperm = setup(1, 2048, heads, gen, dtype)
     q_pre = torch.randn((2048, heads[0], heads[2]), generator=gen).to(dtype).cuda()
     pre_meta = AttentionMeta.build([(0, 0, 2048, pperm[0].tolist())], "cuda")
+    if qt:  # the same launches with tiles of qt[0] (decode) and qt[1] (prefill) positions
+        q_metas = {name: decode_meta(cases[name][4], ctx, qt[0]) for name, _, ctx in shapes}
+        q_pmeta = decode_meta(pperm, 2048, qt[0])
+        q_pre_meta = AttentionMeta.build([(0, 0, 2048, pperm[0].tolist())], "cuda", block_q=qt[1])
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; heads {args.heads}, bfloat16")
     head = "| BLOCK_N, warps, stages[, split] | decode = prefill row | " + " | ".join(f"{n} us" for n in cases)
-    print(head + " | prefill 2048 us |")
-    print("|---" * (3 + len(cases)) + "|")
+    extra = ""
+    if qt:
+        extra = f" decode({qt[0]}) = prefill({qt[1]}) row | prefill({qt[1]}) = prefill | "
+        extra += " | ".join(f"{n} us ({qt[0]})" for n in cases) + f" | prefill 2048 us ({qt[1]}) |"
+    print(head + " | prefill 2048 us |" + extra)
+    print("|---" * (3 + len(cases) + (3 + len(cases) if qt else 0)) + "|")
     floors = {n: c[1].numel() * 2 * c[1].element_size() / bw * 1e6 for n, c in cases.items()}
     print("| KV bytes at bandwidth | | " + " | ".join(f"{f:.1f}" for f in floors.values()) + " | |")
     rows = []
@@ -92,9 +116,31 @@ def main() -> None:
         except Exception as exc:  # a candidate that does not fit (shared memory, registers) is reported and skipped
             print(f"| {cand} | {type(exc).__name__}: {str(exc)[:80]} |")
             continue
-        print(f"| {cand} | {same} | " + " | ".join(f"{t:.1f}" for t in us.values()) + f" | {us_pre:.1f} |", flush=True)
-        rows.append(dict(tiles=list(cand), decode_equals_prefill=same, us=us, prefill_us=us_pre))
+        row = dict(tiles=list(cand), decode_equals_prefill=same, us=us, prefill_us=us_pre)
+        line = f"| {cand} | {same} | " + " | ".join(f"{t:.1f}" for t in us.values()) + f" | {us_pre:.1f} |"
+        if qt:
+            pre_cand = (cand[0], args.prefill_warps or cand[1], *cand[2:])
+            qrow: dict = dict(decode=qt[0], prefill=qt[1], prefill_tiles=list(pre_cand))
+            try:
+                whole_q = paged_attention(q_pre, pk, pv, q_pre_meta, BLOCK, scale, tiles=pre_cand)
+                last_q = paged_attention(q_pre[-1:], pk, pv, q_pmeta, BLOCK, scale, tiles=cand)
+                differ = int((whole_q != whole).flatten(1).any(1).sum())  # rows of the prefill off its bits
+                qrow.update(decode_equals_prefill=torch.equal(last_q, whole_q[-1:]))
+                qrow.update(prefill_equals_default=torch.equal(whole_q, whole), prefill_rows_differ=differ)
+                qrow.update(us={n: time_us(*cases[n][:3], q_metas[n], cand) for n in cases})
+                qrow.update(prefill_us=time_us(q_pre, pk, pv, q_pre_meta, pre_cand))
+                eq = "True" if qrow["prefill_equals_default"] else f"False ({differ} rows differ)"
+                line += f" {qrow['decode_equals_prefill']} | {eq} | "
+                line += " | ".join(f"{t:.1f}" for t in qrow["us"].values()) + f" | {qrow['prefill_us']:.1f} |"
+            except Exception as exc:  # reported, not fatal: the candidate's BLOCK_Q row stands
+                qrow["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                line += f" {type(exc).__name__}: {str(exc)[:80]} |"
+            row["query_tiles"] = qrow
+        print(line, flush=True)
+        rows.append(row)
     result = {"bench": "attention_tiles", "device": torch.cuda.get_device_name(), "heads": heads, "bandwidth": bw}
+    if qt:
+        result.update(query_tiles=list(qt), prefill_warps=args.prefill_warps)
     print(json.dumps({**result, "floors_us": floors, "rows": rows}))
 
 

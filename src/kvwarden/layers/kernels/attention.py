@@ -27,6 +27,12 @@ was chunked:
   of the model (head size, GQA ratio) and the batch-dependent integers are not
   specialised.
 
+NOTE: a launch's query tile is its meta's ``block_q`` positions (``M = max(16, block_q * RP)`` rows,
+rows past ``block_q * RP`` masked), and the engine builds every meta with ``BLOCK_Q``: one tile shape
+for every step, so the argument above is unchanged. Other tile sizes exist only for
+``bench/attention_tiles.py --query-tiles``, which measures whether they keep the bits (an empirical
+question: the tl.dot instruction and the row-sum layout may change with the tile's rows).
+
 The split structure is what makes the parallel form (flash-decoding: one
 program per split storing its state, then a fold) bitwise equal to the
 sequential one: both compute each split's state with the same function
@@ -124,7 +130,8 @@ def _tile_rows(
 ):  # fmt: skip
     """A query tile's request, positions, validity and visible key count, and where its ``[M, BLOCK_D]``
     block of q (and of the output) lies: offsets and mask. Row ``m`` is position ``m // RP``'s query head
-    ``kvh * REP + m % RP``; rows with ``m % RP >= REP`` pad the group to a power of two and are invalid."""
+    ``kvh * REP + m % RP``; rows with ``m % RP >= REP`` pad the group to a power of two and are invalid,
+    as are rows ``m >= BQ * RP`` (a tile of fewer than 16 rows padded for ``tl.dot``)."""
     seq = tl.load(tile_seq + tile)
     pos0 = tl.load(tile_pos0 + tile)
     row0 = tl.load(seq_row0 + seq)
@@ -134,6 +141,8 @@ def _tile_rows(
     qpos = pos0 + m_idx // RP
     head = kvh * REP + m_idx % RP
     qvalid = (qpos >= start) & (qpos < start + nq) & (m_idx % RP < REP)
+    if M > BQ * RP:  # resolved at compile time: the engine's tiles (M = BQ * RP) compile as before
+        qvalid = qvalid & (m_idx < BQ * RP)
     rows = row0 + qpos - start
     kmax = tl.minimum(pos0 + BQ, start + nq)  # keys any row of this tile can see: [0, kmax)
     d = tl.arange(0, BLOCK_D)
@@ -146,12 +155,12 @@ def _tile_rows(
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seq_row0, seq_start, seq_nq, tables, tile_seq, tile_pos0, MAXB, BS, scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
-    BLOCK_D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, KV head): every split in turn, folded as it finishes."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    M: tl.constexpr = BQ * RP
     seq, qpos, qvalid, kmax, q_off, q_mask = _tile_rows(
         tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, RP, BLOCK_D, BQ, M
     )
@@ -174,13 +183,13 @@ def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, seq_row0, seq_start, seq_nq, tables, tile_seq, tile_pos0,
     MAXB, BS, NSPLIT, scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
-    BLOCK_D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, SPLIT_: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, KV head, split): the split's state, stored for the fold."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    M: tl.constexpr = BQ * RP
     seq, qpos, qvalid, kmax, q_off, q_mask = _tile_rows(
         tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, RP, BLOCK_D, BQ, M
     )
@@ -202,12 +211,11 @@ def _attention_split_kernel(
 def _attention_fold_kernel(
     o_ptr, m_ptr, l_ptr, acc_ptr, seq_row0, seq_start, seq_nq, tile_seq, tile_pos0, NSPLIT,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
-    BLOCK_D: tl.constexpr, BQ: tl.constexpr, SPLIT_: tl.constexpr,
+    BLOCK_D: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, SPLIT_: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, KV head): the stored split states folded in split order."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    M: tl.constexpr = BQ * RP
     _seq, _qpos, _qvalid, kmax, q_off, q_mask = _tile_rows(
         tile_seq, tile_pos0, seq_row0, seq_start, seq_nq, tile, kvh, HQ, D, REP, RP, BLOCK_D, BQ, M
     )
@@ -287,11 +295,12 @@ def paged_attention(
     rep = hq // hkv
     rp = triton.next_power_of_2(rep)  # a position's query heads padded to a power of two (tile shapes)
     block_d = max(16, triton.next_power_of_2(d))
-    const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=BLOCK_Q)
+    bq = meta.block_q  # BLOCK_Q for every engine step; others for bench/attention_tiles.py --query-tiles
+    m = max(16, bq * rp)  # the tile's rows (tl.dot needs 16; rows past bq * rp are masked)
+    const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=bq, M=m)
     ieee = q.dtype == torch.float32
     nsplit = cdiv(meta.max_keys, split) if meta.max_keys else 0
-    m = BLOCK_Q * rp
-    block_n = block_n or key_tile(m, block_d)
+    block_n = block_n or key_tile(BLOCK_Q * rp, block_d)  # of the model's shape: BLOCK_Q's tile whatever bq
     if split % block_n:  # a key tile may not straddle a split's boundary (its keys would count twice)
         raise ValueError(f"SPLIT={split} is not a multiple of the key tile {block_n}")
     if parallel_splits is None:
