@@ -15,9 +15,10 @@ bandwidth. Qwen3-0.6B's attention shape by default (16 query heads, 8 KV heads, 
 ``--query-tiles DECODE,PREFILL`` (an experiment; the engine's query tile is always ``BLOCK_Q``
 positions) also builds the decode metas with tiles of ``DECODE`` positions and the prefill's with
 ``PREFILL`` (``AttentionMeta.build(block_q=...)``), and reports, per candidate: whether the decode
-of position 2047 in a ``DECODE``-position tile equals row 2047 of the prefill in ``PREFILL``-position
-tiles (bitwise), whether that prefill equals the ``BLOCK_Q``-tile prefill on every row (else how many
-rows differ), and the decode timings with ``DECODE`` tiles and the prefill's with ``PREFILL`` tiles.
+of ~96 positions (tile and split edges, random ones), each in a ``DECODE``-position tile, equals the
+prefill's rows in ``PREFILL``-position tiles (bitwise; how many do), whether that prefill equals the
+``BLOCK_Q``-tile prefill on every row (else how many rows differ), and the decode timings with
+``DECODE`` tiles and the prefill's with ``PREFILL`` tiles.
 ``--prefill-warps N`` runs the ``PREFILL``-tile prefill launches with ``N`` warps (default: the
 candidate's), for large tiles (64 positions x GQA 2 = 128 rows x head 128).
 
@@ -93,13 +94,17 @@ def main() -> None:
     pre_meta = AttentionMeta.build([(0, 0, 2048, pperm[0].tolist())], "cuda")
     if qt:  # the same launches with tiles of qt[0] (decode) and qt[1] (prefill) positions
         q_metas = {name: decode_meta(cases[name][4], ctx, qt[0]) for name, _, ctx in shapes}
-        q_pmeta = decode_meta(pperm, 2048, qt[0])
+        # decodes of many positions of the prompt (tile edges, split edges, random), one request each
+        pos = sorted({0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 511, 512, 513, 1023, 1024, 2046, 2047}
+                     | set(torch.randint(0, 2048, (79,), generator=gen).tolist()))  # fmt: skip
+        blocks = pperm[0].tolist()
+        q_pmeta = AttentionMeta.build([(i, p, 1, blocks) for i, p in enumerate(pos)], "cuda", block_q=qt[0])
         q_pre_meta = AttentionMeta.build([(0, 0, 2048, pperm[0].tolist())], "cuda", block_q=qt[1])
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; heads {args.heads}, bfloat16")
     head = "| BLOCK_N, warps, stages[, split] | decode = prefill row | " + " | ".join(f"{n} us" for n in cases)
     extra = ""
     if qt:
-        extra = f" decode({qt[0]}) = prefill({qt[1]}) row | prefill({qt[1]}) = prefill | "
+        extra = f" decode({qt[0]}) = prefill({qt[1]}) rows | prefill({qt[1]}) = prefill | "
         extra += " | ".join(f"{n} us ({qt[0]})" for n in cases) + f" | prefill 2048 us ({qt[1]}) |"
     print(head + " | prefill 2048 us |" + extra)
     print("|---" * (3 + len(cases) + (3 + len(cases) if qt else 0)) + "|")
@@ -123,14 +128,15 @@ def main() -> None:
             qrow: dict = dict(decode=qt[0], prefill=qt[1], prefill_tiles=list(pre_cand))
             try:
                 whole_q = paged_attention(q_pre, pk, pv, q_pre_meta, BLOCK, scale, tiles=pre_cand)
-                last_q = paged_attention(q_pre[-1:], pk, pv, q_pmeta, BLOCK, scale, tiles=cand)
+                dec_q = paged_attention(q_pre[pos], pk, pv, q_pmeta, BLOCK, scale, tiles=cand)
                 differ = int((whole_q != whole).flatten(1).any(1).sum())  # rows of the prefill off its bits
-                qrow.update(decode_equals_prefill=torch.equal(last_q, whole_q[-1:]))
+                dec_differ = int((dec_q != whole_q[pos]).flatten(1).any(1).sum())  # decodes off the prefill's
+                qrow.update(decode_equals_prefill=dec_differ == 0, decode_rows_differ=dec_differ, positions=len(pos))
                 qrow.update(prefill_equals_default=torch.equal(whole_q, whole), prefill_rows_differ=differ)
                 qrow.update(us={n: time_us(*cases[n][:3], q_metas[n], cand) for n in cases})
                 qrow.update(prefill_us=time_us(q_pre, pk, pv, q_pre_meta, pre_cand))
                 eq = "True" if qrow["prefill_equals_default"] else f"False ({differ} rows differ)"
-                line += f" {qrow['decode_equals_prefill']} | {eq} | "
+                line += f" {len(pos) - dec_differ}/{len(pos)} | {eq} | "
                 line += " | ".join(f"{t:.1f}" for t in qrow["us"].values()) + f" | {qrow['prefill_us']:.1f} |"
             except Exception as exc:  # reported, not fatal: the candidate's BLOCK_Q row stands
                 qrow["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
