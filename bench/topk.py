@@ -114,6 +114,9 @@ def gpu_times(scores: torch.Tensor, k: int) -> dict[str, float]:
         except Exception as e:  # recorded in the table as a failed shape
             print(f"[topk] variant {name!r} failed: {type(e).__name__}: {str(e)[:200]}")
             out[name] = float("nan")
+    # what topk_triton picks by itself, timed after the variants: a shape's first timed kernel read up to 2x
+    # its later repeats on the H100 (2026-12-07: 0.132 against 0.062 ms for the same launch at 16 x 64K)
+    out["default"] = do_bench(partial(topk_triton, scores, k), warmup=10, rep=50, return_mode="median")
     return out
 
 
@@ -198,7 +201,7 @@ def main() -> None:
     console.print(table)
     if args.variants and args.device == "cuda":
         vt = Table(title="Device time (median, ms): torch.topk and the kernel's shapes", title_justify="left")
-        names = ["torch.topk", *VARIANTS]
+        names = ["torch.topk", "default", *VARIANTS]
         for c in ["keys", "rows", *names]:
             vt.add_column(c, justify="right")
         for r in sel:
