@@ -15,6 +15,7 @@
 #   scripts/gpu_check.sh full gemv                    # narrower output tiles for 1-64 rows: time and bits
 #                                                     # (GEMV_WRITE=1: record them; later stages use the table)
 #   scripts/gpu_check.sh full attntiles               # the attention kernel's tile candidates, decode and prefill
+#   scripts/gpu_check.sh full qtiles                  # 1-position decode tiles vs 64-position prefill tiles: bits, speed
 #   scripts/gpu_check.sh full overlap                 # async scheduling vs serial steps: a decode step's wall time
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
@@ -30,7 +31,7 @@
 #   scripts/gpu_check.sh full dsa                     # sparse attention (GLM-5, DeepSeek-V3.2): kernels, agreement,
 #                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
-# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, gemm, gemv, attntiles, speed, speedoffline, speedrows, serving, overlap, profile, pd,
+# Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, gemm, gemv, qtiles, attntiles, speed, speedoffline, speedrows, serving, overlap, profile, pd,
 # fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
@@ -151,6 +152,17 @@ if want gemv; then  # narrower output tiles for GEMV-shaped launches: time, and 
   [ -n "${GEMV_WRITE:-}" ] && [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"
   tail -n 1 "$OUT/gemv.log" > "$OUT/gemv.json"
   record "GEMV: b1 base -> best same-bits us" "$(python3 -c "import json; d=json.load(open('$OUT/gemv.json')); print([(r['name'], round(r['base_us'], 1), round(r['best_us'], 1)) for r in d['best'] if r['rows'] == 1])" 2>&1 | tail -n 1)"
+fi
+
+if want qtiles; then  # #29 item 2: may decode tiles of one position share the bits of 64-position prefill tiles?
+  stage "query tiles: 1-position decode tiles against 64-position prefill tiles (GQA 2; GQA 4 against 32), bitwise per row"
+  timeout "${QTILES_TIMEOUT:-150}" python3 bench/attention_tiles.py --query-tiles 1,64 --candidate 32,1,2 \
+    --candidate 64,1,2 --candidate 64,4,2 --prefill-warps 8 ${QTILES_ARGS:-} 2>&1 | tee "$OUT/qtiles.log" | grep -v '^{' | tail -n 8
+  timeout "${QTILES_TIMEOUT:-150}" python3 bench/attention_tiles.py --heads 32,8,128 --query-tiles 1,32 --candidate 32,1,2 \
+    --candidate 64,1,2 --prefill-warps 8 2>&1 | tee "$OUT/qtiles-gqa4.log" | grep -v '^{' | tail -n 6
+  for L in qtiles qtiles-gqa4; do
+    record "query tiles $L: (tiles, decode rows equal, us)" "$(python3 -c "import json; d=json.loads(open('$OUT/$L.log').read().splitlines()[-1]); print([(tuple(r['tiles']), '%s/%s' % (r['query_tiles']['positions'] - r['query_tiles']['decode_rows_differ'], r['query_tiles']['positions']), r['query_tiles']['prefill_equals_default'], round(r['query_tiles']['prefill_us'])) for r in d['rows'] if 'positions' in r.get('query_tiles', {})])" 2>&1 | tail -n 1)"
+  done
 fi
 
 if want attntiles; then  # the attention kernel's key tile, warps and stages on decode and prefill shapes
