@@ -39,11 +39,11 @@ def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         path = tmp_path / "gemm_tuned.json"
         path.write_text(json.dumps({"test-gpu": entry}))
         monkeypatch.setenv("KVWARDEN_GEMM_TABLE", str(path))
-        gemm_config._device_tables.cache_clear()
+        gemm_config.reload_tables()
         return "test-gpu"
 
     yield write
-    gemm_config._device_tables.cache_clear()
+    gemm_config.reload_tables()
 
 
 def test_launch_config_narrows_only_launches_of_one_tile_of_rows(table) -> None:
