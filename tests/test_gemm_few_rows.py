@@ -61,6 +61,9 @@ def test_launch_config_narrows_only_launches_of_one_tile_of_rows(table) -> None:
     assert gemm.launch_config(17, n, k, dtype, name) == (own, blocks)  # two tiles of rows: the weight's tiles
     assert gemm.launch_config(1, n, 1024, dtype, name)[0] == gemm.gemm_config(n, 1024, dtype, name)  # no entry
     assert gemm.launch_config(1, n, k, dtype, "")[0] == gemm.gemm_config(n, k, dtype)  # the CPU: no table
+    # another table for the same GPU name: read again on reload (launch_config caches per weight shape)
+    name = table({"shapes": {key: weight}, "few_rows": {key: {"block_n": 32, "num_stages": 4}}})
+    assert gemm.launch_config(1, n, k, dtype, name) == (dataclasses.replace(own, block_n=32, num_stages=4), blocks)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

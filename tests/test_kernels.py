@@ -352,9 +352,9 @@ def test_attention_takes_any_gqa_ratio_and_head_size(hq: int, hkv: int, d: int) 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(2, 1, 32), (4, 2, 16)])
 def test_attention_query_tiles_of_other_sizes_agree_with_the_reference(hq: int, hkv: int, d: int) -> None:
-    """Tiles of 1 position (padded to 16 rows for tl.dot) and of 64, an experiment's (bench/attention_tiles.py
-    --query-tiles): both agree with the reference; whether they keep the bits of BLOCK_Q's tiles is measured on a
-    GPU, not asserted here. The default build is BLOCK_Q's, bitwise."""
+    """Tiles of 1 position (padded to 16 rows for tl.dot), 4 and 64, an experiment's (bench/attention_tiles.py
+    --query-tiles): all agree with the reference; whether they keep the bits of BLOCK_Q's tiles is measured on a
+    GPU, not asserted here. Metas are built with BLOCK_Q's tiles unless asked otherwise."""
     g = gen(11)
     n, block, scale = 100, 16, d**-0.5
     k, v, tables = _paged(g, [n], hkv, d, block, torch.float32)
@@ -367,8 +367,8 @@ def test_attention_query_tiles_of_other_sizes_agree_with_the_reference(hq: int, 
             meta = dataclasses.replace(meta, tile_seq=meta.tile_seq.flip(0), tile_pos0=meta.tile_pos0.flip(0))
         return attention.paged_attention(q[start : start + nq], k, v, meta, block, scale)
 
-    assert attention.AttentionMeta.build([(0, 0, n, tables[0])], DEVICE).block_q == attention.BLOCK_Q
-    assert same(run(0, n), run(0, n, block_q=attention.BLOCK_Q))
+    default = attention.AttentionMeta.build([(0, 0, n, tables[0])], DEVICE)
+    assert default.block_q == attention.BLOCK_Q and default.tile_pos0.tolist() == list(range(0, n, attention.BLOCK_Q))
     assert close(run(0, n, block_q=64), ref, torch.float32)
     # tiles of 4 positions padded to 16 rows: the rows past the tile's positions are masked (they would write
     # the next tile's rows with too few keys; the interpreter runs programs in order, so reverse them to see it)

@@ -210,6 +210,7 @@ class GraphBatch:
                 tile_seq=self.arange[:size],
                 tile_pos0=self.ints[2, :size],
                 max_keys=bound,
+                block_q=self.block_q,
             )
         else:
             fixed = self.fixed(size, q)
@@ -221,6 +222,7 @@ class GraphBatch:
                 tile_seq=self.tiles[0, : 2 * size],
                 tile_pos0=self.tiles[1, : 2 * size],
                 max_keys=bound,
+                block_q=self.block_q,
             )
         recurrent = None
         if self.states is not None:  # boundary states are staged after the step, from the kept states

@@ -188,6 +188,7 @@ class MtpGraphs:
                 tile_seq=self.tiles[0, : 2 * size],
                 tile_pos0=self.tiles[1, : 2 * size],
                 max_keys=bound,
+                block_q=self.block_q,
             )
         else:
             meta = AttentionMeta(
@@ -198,6 +199,7 @@ class MtpGraphs:
                 tile_seq=self.arange[:size],
                 tile_pos0=ints[2, :size],
                 max_keys=bound,
+                block_q=self.block_q,
             )
         return ForwardBatch(
             input_ids=ids,

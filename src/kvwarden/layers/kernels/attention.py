@@ -273,7 +273,8 @@ def paged_attention(
     parallel_splits: bool | None = None,
     tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``.
+    """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``, in the query
+    tiles of ``meta`` (``meta.block_q`` positions each: ``BLOCK_Q`` for every engine step).
 
     ``parallel_splits``: run each fixed split in its own program and fold them
     after (flash-decoding), or walk them in one program; ``None`` chooses by the
