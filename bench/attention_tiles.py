@@ -91,15 +91,15 @@ def main() -> None:
     # one 2,048-token prompt: the prefill chunk, and the decode of its last position from the same cache
     _, pk, pv, pmeta, pperm = setup(1, 2048, heads, gen, dtype)
     q_pre = torch.randn((2048, heads[0], heads[2]), generator=gen).to(dtype).cuda()
-    pre_meta = AttentionMeta.build([(0, 0, 2048, pperm[0].tolist())], "cuda")
+    blocks = pperm[0].tolist()
+    pre_meta = AttentionMeta.build([(0, 0, 2048, blocks)], "cuda")
     if qt:  # the same launches with tiles of qt[0] (decode) and qt[1] (prefill) positions
         q_metas = {name: decode_meta(cases[name][4], ctx, qt[0]) for name, _, ctx in shapes}
         # decodes of many positions of the prompt (tile edges, split edges, random), one request each
         pos = sorted({0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 511, 512, 513, 1023, 1024, 2046, 2047}
                      | set(torch.randint(0, 2048, (79,), generator=gen).tolist()))  # fmt: skip
-        blocks = pperm[0].tolist()
         q_pmeta = AttentionMeta.build([(i, p, 1, blocks) for i, p in enumerate(pos)], "cuda", block_q=qt[0])
-        q_pre_meta = AttentionMeta.build([(0, 0, 2048, pperm[0].tolist())], "cuda", block_q=qt[1])
+        q_pre_meta = AttentionMeta.build([(0, 0, 2048, blocks)], "cuda", block_q=qt[1])
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; heads {args.heads}, bfloat16")
     head = "| BLOCK_N, warps, stages[, split] | decode = prefill row | " + " | ".join(f"{n} us" for n in cases)
     extra = ""
