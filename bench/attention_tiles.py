@@ -78,7 +78,16 @@ def main() -> None:
     p.add_argument("--query-tiles", default=None, help="DECODE,PREFILL: query tile positions to compare (e.g. 1,64)")
     p.add_argument("--prefill-warps", type=int, default=None, help="warps of the PREFILL-tile prefill launches")
     args = p.parse_args()
-    qt = tuple(int(x) for x in args.query_tiles.split(",")) if args.query_tiles else None
+    qt = None
+    if args.query_tiles:
+        parts = args.query_tiles.split(",")
+        qt = tuple(int(x) for x in parts) if all(x.strip().isdigit() for x in parts) else ()
+        if len(qt) != 2 or any(x < 1 or x & (x - 1) for x in qt):  # tl.arange needs powers of two
+            p.error(f"--query-tiles takes DECODE,PREFILL, two powers of two (e.g. 1,64), got {args.query_tiles!r}")
+    if args.prefill_warps is not None and qt is None:
+        p.error("--prefill-warps applies to --query-tiles' prefill launches: give --query-tiles too")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/attention_tiles.py times compiled kernels: it needs a CUDA GPU")
     heads = tuple(int(x) for x in args.heads.split(","))
     from kvwarden.layers.kernels.attention import AttentionMeta, paged_attention
 
