@@ -10,11 +10,12 @@ the prefill that wrote the cache, bitwise) and times: decode at batch 1 over a
 16K and a 1K context (the splits in parallel), batch 64 over 512 keys, batch 256 over
 640, and one 2,048-token prefill chunk, beside the KV bytes at the measured copy
 bandwidth. Qwen3-0.6B's attention shape by default (16 query heads, 8 KV heads, head 128;
-``--heads`` for others), bfloat16, 16-token blocks. Ends with one JSON line.
+``--heads`` for others), bfloat16 (``--dtype``), 16-token blocks. Ends with one JSON line.
 
-``--query-tiles DECODE,PREFILL`` (an experiment; the engine's query tile is always ``BLOCK_Q``
-positions) also builds the decode metas with tiles of ``DECODE`` positions and the prefill's with
-``PREFILL`` (``AttentionMeta.build(block_q=...)``), and reports, per candidate: whether the decode
+``--query-tiles DECODE,PREFILL`` (the check behind ``attention_meta.query_tiles``, which gives a
+GPU model in half precision decode tiles of one position and prefill tiles of 128 rows) also
+builds the decode metas with tiles of ``DECODE`` positions and the prefill's with ``PREFILL``
+(``AttentionMeta.build(block_q=...)``), and reports, per candidate: whether the decode
 of ~96 positions (tile and split edges, random ones), each in a ``DECODE``-position tile, equals the
 prefill's rows in ``PREFILL``-position tiles (bitwise; how many do), whether that prefill equals the
 ``BLOCK_Q``-tile prefill on every row (else how many rows differ), and the decode timings with
@@ -77,6 +78,7 @@ def main() -> None:
     p.add_argument("--heads", default="16,8,128", help="query heads, KV heads, head size (Llama-3-8B: 32,8,128)")
     p.add_argument("--query-tiles", default=None, help="DECODE,PREFILL: query tile positions to compare (e.g. 1,64)")
     p.add_argument("--prefill-warps", type=int, default=None, help="warps of the PREFILL-tile prefill launches")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="q/k/v dtype")
     args = p.parse_args()
     qt = None
     if args.query_tiles:
@@ -92,7 +94,7 @@ def main() -> None:
     from kvwarden.layers.kernels.attention import AttentionMeta, paged_attention
 
     cands = [tuple(map(int, c.split(","))) for c in args.candidate] if args.candidate else CANDIDATES
-    dtype, scale = torch.bfloat16, heads[2] ** -0.5
+    dtype, scale = getattr(torch, args.dtype), heads[2] ** -0.5
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth("cuda")
     shapes = (("b1x16K", 1, 16384), ("b1x1K", 1, 1025), ("b64x512", 64, 512), ("b256x640", 256, 640))
@@ -109,7 +111,7 @@ def main() -> None:
                      | set(torch.randint(0, 2048, (79,), generator=gen).tolist()))  # fmt: skip
         q_pmeta = AttentionMeta.build([(i, p, 1, blocks) for i, p in enumerate(pos)], "cuda", block_q=qt[0])
         q_pre_meta = AttentionMeta.build([(0, 0, 2048, blocks)], "cuda", block_q=qt[1])
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; heads {args.heads}, bfloat16")
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; heads {args.heads}, {args.dtype}")
     head = "| BLOCK_N, warps, stages[, split] | decode = prefill row | " + " | ".join(f"{n} us" for n in cases)
     extra = ""
     if qt:
@@ -153,7 +155,8 @@ def main() -> None:
             row["query_tiles"] = qrow
         print(line, flush=True)
         rows.append(row)
-    result = {"bench": "attention_tiles", "device": torch.cuda.get_device_name(), "heads": heads, "bandwidth": bw}
+    result = {"bench": "attention_tiles", "device": torch.cuda.get_device_name(), "heads": heads, "dtype": args.dtype}
+    result["bandwidth"] = bw
     if qt:
         result.update(query_tiles=list(qt), prefill_warps=args.prefill_warps)
     print(json.dumps({**result, "floors_us": floors, "rows": rows}))

@@ -15,7 +15,7 @@
 #   scripts/gpu_check.sh full gemv                    # narrower output tiles for 1-64 rows: time and bits
 #                                                     # (GEMV_WRITE=1: record them; later stages use the table)
 #   scripts/gpu_check.sh full attntiles               # the attention kernel's tile candidates, decode and prefill
-#   scripts/gpu_check.sh full qtiles                  # 1-position decode tiles vs 64-position prefill tiles: bits, speed
+#   scripts/gpu_check.sh full qtiles                  # 1-position decode tiles vs 128-row prefill tiles: bits, speed
 #   scripts/gpu_check.sh full overlap                 # async scheduling vs serial steps: a decode step's wall time
 #   scripts/gpu_check.sh full tune speedoffline       # GEMM tiles measured, then the offline rows only
 #   scripts/gpu_check.sh full speedrows               # decode by batch and TTFT only (the other half of speed)
@@ -154,14 +154,17 @@ if want gemv; then  # narrower output tiles for GEMV-shaped launches: time, and 
   record "GEMV: b1 base -> best same-bits us" "$(python3 -c "import json; d=json.load(open('$OUT/gemv.json')); print([(r['name'], round(r['base_us'], 1), round(r['best_us'], 1)) for r in d['best'] if r['rows'] == 1])" 2>&1 | tail -n 1)"
 fi
 
-if want qtiles; then  # #29 item 2: may decode tiles of one position share the bits of 64-position prefill tiles?
-  stage "query tiles: 1-position decode tiles against 64-position prefill tiles (GQA 2; GQA 4 against 32), bitwise per row"
-  timeout "${QTILES_TIMEOUT:-150}" python3 bench/attention_tiles.py --query-tiles 1,64 --candidate 32,1,2 \
-    --candidate 64,1,2 --candidate 64,4,2 --prefill-warps 8 ${QTILES_ARGS:-} 2>&1 | tee "$OUT/qtiles.log" | grep -v '^{' | tail -n 8
-  timeout "${QTILES_TIMEOUT:-150}" python3 bench/attention_tiles.py --heads 32,8,128 --query-tiles 1,32 --candidate 32,1,2 \
-    --candidate 64,1,2 --prefill-warps 8 ${QTILES_ARGS:-} 2>&1 | tee "$OUT/qtiles-gqa4.log" | grep -v '^{' | tail -n 6
-  for L in qtiles qtiles-gqa4; do
-    record "qtiles $L: (tiles, decode=prefill rows, prefill=16-tile prefill, prefill us)" "$(python3 -c "import json; d=json.loads(open('$OUT/$L.log').read().splitlines()[-1]); print([(tuple(r['tiles']), '%s/%s' % (r['query_tiles']['positions'] - r['query_tiles']['decode_rows_differ'], r['query_tiles']['positions']), r['query_tiles']['prefill_equals_default'], round(r['query_tiles']['prefill_us'])) for r in d['rows'] if 'positions' in r.get('query_tiles', {})])" 2>&1 | tail -n 1)"
+if want qtiles; then  # #29 item 2: may decode tiles of one position share the bits of the prefill's large tiles?
+  # QTILES_SHAPES: "Hq,Hkv,D:DECODE,PREFILL[:dtype]" - real checkpoints' heads (Qwen3-0.6B GQA 2, Llama-3-8B /
+  # Qwen3-8B GQA 4, Qwen3-Next GQA 8 x 256, Qwen2.5-0.5B GQA 7 x 64, SmolLM2 GQA 3 x 64, Llama-3-70B GQA 8),
+  # prefill tiles of 128 rows (positions x the padded group) on 8 warps, decode tiles of one position
+  stage "query tiles: 1-position decode tiles against 128-row prefill tiles, bitwise per row, per head shape"
+  for SPEC in ${QTILES_SHAPES:-16,8,128:1,64 32,8,128:1,32 16,2,256:1,16 14,2,64:1,16 9,3,64:1,32 64,8,128:1,16 16,8,128:1,64:float32}; do
+    IFS=: read -r H QT DT <<< "$SPEC"
+    L="qtiles-${H//,/-}-${DT:-bfloat16}"
+    timeout "${QTILES_TIMEOUT:-100}" python3 bench/attention_tiles.py --heads "$H" --query-tiles "$QT" --dtype "${DT:-bfloat16}" \
+      ${QTILES_CANDIDATES:---candidate 32,1,2 --candidate 64,1,2} --prefill-warps 8 2>&1 | tee "$OUT/$L.log" | grep -v '^{' | tail -n 5
+    record "$L $QT: (tiles, dec=pre rows, pre=16-tile pre, dec us, pre us)" "$(python3 -c "import json; d=json.loads(open('$OUT/$L.log').read().splitlines()[-1]); print([(r['tiles'][0], '%s/%s' % (r['query_tiles']['positions'] - r['query_tiles']['decode_rows_differ'], r['query_tiles']['positions']), r['query_tiles']['prefill_equals_default'], [round(v) for v in r['query_tiles']['us'].values()], round(r['query_tiles']['prefill_us']), [round(v) for v in r['us'].values()], round(r['prefill_us'])) for r in d['rows'] if 'positions' in r.get('query_tiles', {})])" 2>&1 | tail -n 1)"
   done
 fi
 

@@ -15,7 +15,7 @@ import struct
 import pytest
 import torch
 
-from kvwarden.layers.kernels import attention, gemm, gemm_forms, pointwise, rotary, rows
+from kvwarden.layers.kernels import attention, attention_meta, gemm, gemm_forms, pointwise, rotary, rows
 from kvwarden.layers.rotary import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -352,9 +352,10 @@ def test_attention_takes_any_gqa_ratio_and_head_size(hq: int, hkv: int, d: int) 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(2, 1, 32), (4, 2, 16)])
 def test_attention_query_tiles_of_other_sizes_agree_with_the_reference(hq: int, hkv: int, d: int) -> None:
-    """Tiles of 1 position (padded to 16 rows for tl.dot), 4 and 64, an experiment's (bench/attention_tiles.py
-    --query-tiles): all agree with the reference; whether they keep the bits of BLOCK_Q's tiles is measured on a
-    GPU, not asserted here. Metas are built with BLOCK_Q's tiles unless asked otherwise."""
+    """Tiles of 1 position (padded to 16 rows for tl.dot), 4 and 64 (a GPU model's decode and prefill tiles in
+    half precision: attention_meta.query_tiles): all agree with the reference. Whether two sizes give a row the
+    same bits is the GPU's to show (tests/test_triton_engine.py there; the interpreter's NumPy products follow
+    the tile's rows). Metas are built with BLOCK_Q's tiles unless asked otherwise."""
     g = gen(11)
     n, block, scale = 100, 16, d**-0.5
     k, v, tables = _paged(g, [n], hkv, d, block, torch.float32)
@@ -378,10 +379,13 @@ def test_attention_query_tiles_of_other_sizes_agree_with_the_reference(hq: int, 
         assert close(run(p, 1, block_q=1), ref[p : p + 1], torch.float32), p
 
 
-def test_precompile_runs_both_forms_and_they_agree() -> None:
+@pytest.mark.parametrize("split_tiles", [False, True], ids=["uniform", "split"])
+def test_precompile_runs_both_forms_and_they_agree(split_tiles: bool) -> None:
+    """In the model's prefill tiles: BLOCK_Q's, or a GPU model's 128-row ones (64 positions at GQA 2)."""
     g = gen(8)
     k, v = (rand(g, 4 * 16 + 2, 2, 16) for _ in range(2))
-    walked, parallel = attention.precompile(4, k, v, 16)  # block 0 only, over two splits
+    tiles = attention_meta.QueryTiles(1, 64, 1, 8, 32) if split_tiles else attention_meta.UNIFORM_TILES
+    walked, parallel = attention.precompile(4, k, v, 16, tiles)  # block 0 only, over two splits
     assert same(walked, parallel)
     ref = _reference(torch.ones(1, 4, 16), k, v, [0] * 65, 16, attention.SPLIT, 1.0)
     assert close(walked, ref, torch.float32)

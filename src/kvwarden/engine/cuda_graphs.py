@@ -22,7 +22,9 @@ specialised), so a row computes the same bits in a graph as eagerly:
 * the block table is a persistent ``[max seqs, max blocks]`` buffer; a row
   reads only the columns of its own context, so stale columns past it are
   never touched; query tiles stay aligned to absolute positions
-  (:mod:`kvwarden.engine.graph_batch`);
+  (:mod:`kvwarden.engine.graph_batch`), and a decode graph runs the model's
+  decode tile, a wider graph its prefill tile: the tiles an eager step of
+  the same requests builds;
 * recurrent layers address each row's working state through a static slot
   buffer (padding rows run in the pool's scratch slot, which no request owns);
   the state at a block boundary a row reaches is the working state after the
@@ -55,6 +57,7 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.engine.graph_batch import BlockTables, GraphBatch
 from kvwarden.engine.verified_states import StateReturns, VerifiedStates
 from kvwarden.intmath import round_up
+from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
 from kvwarden.models.decoder import DecoderModel
 
 if TYPE_CHECKING:
@@ -64,6 +67,7 @@ log = logging.getLogger(__name__)
 
 
 TAIL_SIZES = 4  # a dense model's prompt-tail graphs: batch sizes up to this
+MAX_Q = 16  # a graph's rows per request at most (a prompt's tail; k + 1 < MAX_Q for verify graphs)
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:
@@ -118,6 +122,7 @@ class DecodeGraphs:
             static-buffer step eagerly (tests of the padding on the CPU).
         states: the recurrent working states (hybrid models), else None.
         spec_tokens: drafts per verify step (speculative decoding), 0 for decode graphs only.
+        tiles: the model's attention query tiles (decode graphs run its decode tile, wider ones its prefill's).
     """
 
     def __init__(
@@ -131,24 +136,23 @@ class DecodeGraphs:
         capture: bool,
         states: StatePool | None = None,
         spec_tokens: int = 0,
+        tiles: QueryTiles = UNIFORM_TILES,
     ) -> None:
-        from kvwarden.layers.kernels.attention import BLOCK_Q  # Triton: GPU backends only
-
         self.model, self.kv, self.block_size, self.states = model, kv, block_size, states
         self.sizes = graph_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         # A request's k + 1 rows must fit two query tiles; longer drafts verify eagerly.
-        self.widths = (1, spec_tokens + 1) if 0 < spec_tokens < BLOCK_Q else (1,)
-        if spec_tokens >= BLOCK_Q:
-            log.info("verify steps of %d drafts run eagerly (graphs hold up to %d)", spec_tokens, BLOCK_Q - 1)
+        self.widths = (1, spec_tokens + 1) if 0 < spec_tokens < MAX_Q else (1,)
+        if spec_tokens >= MAX_Q:
+            log.info("verify steps of %d drafts run eagerly (graphs hold up to %d)", spec_tokens, MAX_Q - 1)
+        self.tiles = tiles
         # (size, rows per request) captured: decode and verify at every size; the last chunk of a prompt (up
         # to a query tile, e.g. a warm request's uncached tail) at the smallest sizes - a hybrid keeps every
         # row's recurrent state in them, so only batch 1 there
         tails = [s for s in self.sizes if s <= (1 if states is not None else TAIL_SIZES)]
-        self.shapes = sorted({(s, q) for s in self.sizes for q in self.widths} | {(s, BLOCK_Q) for s in tails})
-        self.buffers = GraphBatch(
-            model.ops.device, self.max_size, BLOCK_Q, block_size, max_model_len, pad_slot, BLOCK_Q, states
-        )
+        self.shapes = sorted({(s, q) for s in self.sizes for q in self.widths} | {(s, MAX_Q) for s in tails})
+        dev = model.ops.device
+        self.buffers = GraphBatch(dev, self.max_size, MAX_Q, block_size, max_model_len, pad_slot, tiles, states)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.returns = StateReturns(states, self.max_size, capture) if states is not None else None
         self.replays = 0
@@ -250,7 +254,7 @@ class DecodeGraphs:
         # the eager prefill kernels too, so that no request pays a first-use compile (sparse attention has its
         # own kernels: the dense attention's would be compiled for nothing)
         if len(self.kv) and self.model.cfg.mla is None:
-            precompile(self.model.cfg.num_attention_heads, *self.kv.raw(0), self.block_size)
+            precompile(self.model.cfg.num_attention_heads, *self.kv.raw(0), self.block_size, self.tiles)
         pool = torch.cuda.graph_pool_handle()
         # largest first: smaller graphs reuse its memory
         for size, q in sorted(self.shapes, key=lambda sq: -sq[0] * sq[1]):

@@ -1,14 +1,15 @@
 """The static buffers a captured step reads, and how a step's requests are written into them.
 
 A graph of batch ``size`` and width ``q`` computes ``q`` rows per request: ``q = 1`` is a plain decode
-step, ``q = k + 1`` a verify step (the request's last token, then its ``k`` drafts), ``q`` = a query tile
-the last chunk of a prompt (a warm request's uncached tail). Every tensor a
+step, ``q = k + 1`` a verify step (the request's last token, then its ``k`` drafts), ``q`` = 16 the
+last chunk of a prompt (a warm request's uncached tail). Every tensor a
 graph reads is a slice of a buffer allocated once here, so a replay only needs the buffers refilled:
 one host-built copy per buffer per step, no per-request Python inside the step.
 
 NOTE(invariance): the rows see exactly what an eager step of the same requests would give them:
-query tiles stay aligned to absolute positions (a request's ``q`` rows span at most two tiles; an
-unused second tile points at an empty request, index ``size``, whose zero queries see zero keys), a
+query tiles stay aligned to absolute positions, in the tiles an eager step of the same requests
+builds (the model's decode tile at ``q = 1``, its prefill tile else: a request's ``q`` rows span at most
+two of those; an unused second tile points at an empty request, index ``size``, whose zero queries see zero keys), a
 padding request has no queries and runs its recurrence over zero tokens in the state pool's scratch
 slot, and padding rows write their K/V into a slot no block owns. A request with fewer drafts than
 ``q - 1`` (near its ``max_tokens``, or none: an n-gram miss, its last token) is padded the same way: its
@@ -28,6 +29,7 @@ import torch
 from kvwarden.engine.device_copy import pinned
 from kvwarden.intmath import cdiv
 from kvwarden.layers.attention import AttentionPlan
+from kvwarden.layers.kernels.attention_meta import AttentionMeta, QueryTiles
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.decoder import ForwardBatch
 
@@ -59,7 +61,8 @@ class GraphBatch:
     Args:
         device, block_size, max_model_len: bound the block tables.
         pad_slot: a KV slot no block owns (padding rows write there).
-        block_q: the attention kernel's query tile (positions per tile).
+        tiles: the model's attention query tiles: ``q = 1`` batches run its decode tile (one tile a
+            request), wider ones its prefill tile (two a request: ``max_q`` may not exceed it).
         states: the recurrent working states (hybrid models), else None.
     """
 
@@ -71,13 +74,13 @@ class GraphBatch:
         block_size: int,
         max_model_len: int,
         pad_slot: int,
-        block_q: int,
+        tiles: QueryTiles,
         states: StatePool | None,
     ) -> None:
-        assert max_q <= block_q, "a request's rows must fit two query tiles"
+        assert max_q <= tiles.prefill, "a request's rows must fit two query tiles"
         n, rows = max_size, max_size * max_q
-        self.device, self.block_size, self.pad_slot, self.block_q, self.states = (
-            device, block_size, pad_slot, block_q, states,
+        self.device, self.block_size, self.pad_slot, self.query_tiles, self.states = (
+            device, block_size, pad_slot, tiles, states,
         )  # fmt: skip
         self.longs = torch.zeros((3, rows), dtype=torch.long, device=device)  # token ids, positions, slots
         # per request (one more: the empty request unused tiles point at): start, queries (0: padding),
@@ -126,7 +129,7 @@ class GraphBatch:
         self, chunks: list[ScheduledChunk], rows: list[np.ndarray], size: int, next_ids: torch.Tensor | None
     ) -> None:
         """One row per request (a decode step): the general staging without its per-row loop."""
-        bs, bq, n, pad = self.block_size, self.block_q, len(chunks), size - len(chunks)
+        bs, bq, n, pad = self.block_size, self.query_tiles.decode, len(chunks), size - len(chunks)
         starts = [c.start for c in chunks]
         ids = [c.request.all_token_ids[c.start] for c in chunks] if next_ids is None else [0] * n
         slots = [int(b[p // bs]) * bs + p % bs for b, p in zip(rows, starts, strict=True)]
@@ -149,7 +152,7 @@ class GraphBatch:
 
     def _stage_wide(self, chunks: list[ScheduledChunk], rows: list[np.ndarray], size: int, q: int) -> None:
         """``q`` rows per request: a verify step, or a prompt's last chunk."""
-        bs, bq, pad = self.block_size, self.block_q, size - len(chunks)
+        bs, bq, pad = self.block_size, self.query_tiles.prefill, size - len(chunks)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -195,8 +198,6 @@ class GraphBatch:
     # ------------------------------------------------------------------ the batch a graph reads
     def forward_batch(self, size: int, q: int) -> ForwardBatch:
         """The step's :class:`ForwardBatch` over the buffers (the same tensors at every replay)."""
-        from kvwarden.layers.kernels.attention import AttentionMeta  # Triton: GPU backends only
-
         rows = size * q
         # NOTE: the longest context served bounds every replay's: its splits run in parallel at the small
         # sizes (a long context's decode or warm tail); a split past a tile's keys exits at once
@@ -210,7 +211,9 @@ class GraphBatch:
                 tile_seq=self.arange[:size],
                 tile_pos0=self.ints[2, :size],
                 max_keys=bound,
-                block_q=self.block_q,
+                block_q=self.query_tiles.decode,
+                warps=self.query_tiles.decode_warps,
+                block_n=self.query_tiles.block_n,
             )
         else:
             fixed = self.fixed(size, q)
@@ -222,7 +225,9 @@ class GraphBatch:
                 tile_seq=self.tiles[0, : 2 * size],
                 tile_pos0=self.tiles[1, : 2 * size],
                 max_keys=bound,
-                block_q=self.block_q,
+                block_q=self.query_tiles.prefill,
+                warps=self.query_tiles.prefill_warps,
+                block_n=self.query_tiles.block_n,
             )
         recurrent = None
         if self.states is not None:  # boundary states are staged after the step, from the kept states

@@ -25,6 +25,7 @@ from kvwarden.engine.cuda_graphs import DecodeGraphs, graph_capable
 from kvwarden.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvwarden.engine.verified_states import VerifiedStates
 from kvwarden.layers.attention import SeqAttn
+from kvwarden.layers.kernels.attention_meta import query_tiles
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.common import TraceSink
 from kvwarden.models.decoder import DecoderModel, ForwardBatch, SeqSlice
@@ -119,6 +120,10 @@ class ModelRunner:
         self.ops = model.ops
         self.device = model.ops.device
         self.null_slot = num_blocks * block_size
+        cfg = model.cfg
+        # the Triton attention's query tiles: of the model's heads, dtype and device, never of the step
+        arch = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        self.query_tiles = query_tiles(cfg.num_attention_heads, cfg.num_key_value_heads, model.dtype, arch)
         slots = self.null_slot + 2  # the null slot stays all zero; the last one is the graphs' scratch
         layers = model.num_attention_layers
         # Layer i's tensors are reached only through kv_caches[i], which waits for its pending host-tier copies.
@@ -152,6 +157,7 @@ class ModelRunner:
             mode == "auto",
             self.states,
             spec_tokens,
+            self.query_tiles,
         )
 
     def will_replay(self, out: SchedulerOutput) -> bool:
@@ -277,7 +283,7 @@ class ModelRunner:
             seqs.append(SeqAttn(row0, len(e.token_ids), e.start, slots))
             slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
         null = self.null_slot if null_slot is None else null_slot
-        plan = self.ops.attention_plan(seqs, len(ids), block_ids, null, self.block_size)
+        plan = self.ops.attention_plan(seqs, len(ids), block_ids, null, self.block_size, self.query_tiles)
         dev = self.device
         recurrent = None
         if with_states and self.states is not None and self.ops.batched_recurrent:

@@ -25,6 +25,7 @@ import torch
 from kvwarden.config import NumericsConfig
 from kvwarden.layers.attention import AttentionPlan, SeqAttn
 from kvwarden.layers.cpu_kernels.library import CpuAttentionMeta, CpuKernels
+from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
 from kvwarden.layers.numerics import CanonicalOps
 from kvwarden.layers.rotary import RotaryEmbedding
 
@@ -123,10 +124,16 @@ class CompiledCpuOps(CanonicalOps):
         return self.compiled.rope_write_kv(q, k, v, positions, slots, tables, norms, kv)
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
+        self,
+        seqs: list[SeqAttn],
+        num_rows: int,
+        block_ids: list[list[int]],
+        null_slot: int,
+        block_size: int,
+        tiles: QueryTiles = UNIFORM_TILES,
     ) -> AttentionPlan:
         if not self.in_place_attention:
-            return super().attention_plan(seqs, num_rows, block_ids, null_slot, block_size)
+            return super().attention_plan(seqs, num_rows, block_ids, null_slot, block_size, tiles)
         shares = [(s.row_start, s.num_queries, s.start_pos) for s in seqs]
         meta = CpuAttentionMeta.build(shares, block_ids, block_size, num_rows)
         return AttentionPlan(seqs=tuple(seqs), num_rows=num_rows, meta=meta)

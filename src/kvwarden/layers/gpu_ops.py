@@ -22,6 +22,7 @@ import torch
 
 from kvwarden.config import NumericsConfig
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
+from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
 from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 
@@ -90,7 +91,13 @@ class CudaOps(Ops):
         kv[1].index_copy_(0, slots, v.to(kv[1].dtype))
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
+        self,
+        seqs: list[SeqAttn],
+        num_rows: int,
+        block_ids: list[list[int]],
+        null_slot: int,
+        block_size: int,
+        tiles: QueryTiles = UNIFORM_TILES,
     ) -> AttentionPlan:
         # Slots go to the device once per step; decode requests (one query each) are batched into one
         # padded attention call per layer, the way vendor engines batch decode.
@@ -253,11 +260,16 @@ class TritonOps(CudaOps):
 
     # ------------------------------------------------------------------- attention
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
+        self,
+        seqs: list[SeqAttn],
+        num_rows: int,
+        block_ids: list[list[int]],
+        null_slot: int,
+        block_size: int,
+        tiles: QueryTiles = UNIFORM_TILES,
     ) -> AttentionPlan:
-        meta = self.k_attention.AttentionMeta.build(
-            [(s.row_start, s.start_pos, s.num_queries, b) for s, b in zip(seqs, block_ids, strict=True)], self.device
-        )
+        shares = [(s.row_start, s.start_pos, s.num_queries, b) for s, b in zip(seqs, block_ids, strict=True)]
+        meta = self.k_attention.AttentionMeta.for_step(shares, self.device, tiles)
         return AttentionPlan(seqs=tuple(seqs), groups=(), num_rows=num_rows, meta=meta)
 
     def attention(

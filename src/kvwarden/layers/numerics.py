@@ -46,6 +46,7 @@ from kvwarden.intmath import round_up
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
 from kvwarden.layers.canonical_attention import build_tile_plan, canonical_attention
 from kvwarden.layers.gemm_rows import GemmRowSizes
+from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
 from kvwarden.layers.pointwise_split import pointwise_length
 from kvwarden.layers.rotary import RotaryEmbedding
 
@@ -209,11 +210,18 @@ class Ops:
         v_cache.index_copy_(0, slots, torch.cat([v, ones], -1).to(v_cache.dtype))
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
+        self,
+        seqs: list[SeqAttn],
+        num_rows: int,
+        block_ids: list[list[int]],
+        null_slot: int,
+        block_size: int,
+        tiles: QueryTiles = UNIFORM_TILES,
     ) -> AttentionPlan:
         """Everything the attention layers need for one step, built once per step: each request's share
         (``seqs``, with its slot table), its block table (``block_ids``, positions ``block_size`` to a block),
-        the all-zero slot that padded reads use."""
+        the all-zero slot that padded reads use. ``tiles``: the model's query tiles, which the Triton
+        kernel's plan is cut into (the other backends' plans are per request or per key tile)."""
         return AttentionPlan(seqs=tuple(seqs), num_rows=num_rows)
 
     def attention(
@@ -239,7 +247,13 @@ class CanonicalOps(Ops):
         return canonical_attention(q, kv[0], kv[1], plan, scale, self.exp, self.config.key_tile)
 
     def attention_plan(
-        self, seqs: list[SeqAttn], num_rows: int, block_ids: list[list[int]], null_slot: int, block_size: int
+        self,
+        seqs: list[SeqAttn],
+        num_rows: int,
+        block_ids: list[list[int]],
+        null_slot: int,
+        block_size: int,
+        tiles: QueryTiles = UNIFORM_TILES,
     ) -> AttentionPlan:
         return build_tile_plan(seqs, num_rows, self.config.key_tile, null_slot)
 

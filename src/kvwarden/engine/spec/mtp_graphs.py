@@ -27,6 +27,7 @@ import torch
 
 from kvwarden.intmath import cdiv
 from kvwarden.layers.attention import AttentionPlan
+from kvwarden.layers.kernels.attention_meta import AttentionMeta
 from kvwarden.models.common import ForwardBatch
 from kvwarden.models.mtp import MtpHead
 
@@ -57,17 +58,16 @@ class MtpGraphs:
         max_model_len: int,
         capture: bool,
     ) -> None:
-        from kvwarden.layers.kernels.attention import BLOCK_Q  # Triton: GPU backends only
-
         self.head, self.kv, self.pad_slot, self.target, self.k, self.q = head, kv, pad_slot, target, k, k + 1
-        self.block_q, self.block_size = BLOCK_Q, target.block_size
+        # the target's query tiles: round 0's kept rows in its prefill tile, later rounds' one row in its decode tile
+        self.tiles, self.block_size = target.tiles, target.block_size
         n, dev = target.max_size, head.ops.device
         self.sizes = target.sizes
         self.longs = torch.zeros((3, n * self.q + n * k), dtype=torch.long, device=dev)  # ids, positions, slots
         self.kept = torch.zeros(n, dtype=torch.long, device=dev)  # index of each request's newest kept row
         # per request: start, queries (fill rows, then one per round), first tile; request n + 1 is empty
         self.ints = torch.zeros((k, 3, n + 1), dtype=torch.int32, device=dev)
-        self.tiles = torch.zeros((2, 2 * n), dtype=torch.int32, device=dev)
+        self.tile_buf = torch.zeros((2, 2 * n), dtype=torch.int32, device=dev)  # round 0's: request, first position
         self.tables = torch.zeros((n + 1, cdiv(max_model_len, self.block_size)), dtype=torch.int32, device=dev)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -98,7 +98,8 @@ class MtpGraphs:
         return [row[: room or 0] for row, room in zip(drafts[:n].tolist(), rooms, strict=True)]
 
     def _stage(self, chunks: list[ScheduledChunk], rooms: list[int | None], size: int, block_ids: BlockIds) -> None:
-        q, k, bs, bq = self.q, self.k, self.block_size, self.block_q
+        q, k, bs = self.q, self.k, self.block_size
+        bq, bq1 = self.tiles.prefill, self.tiles.decode
         ids: list[int] = []
         slots: list[int] = []
         pos: list[int] = []
@@ -156,7 +157,7 @@ class MtpGraphs:
             [
                 r_pos + [0] * (pad + 1),
                 r_nq + [0] * (pad + 1),
-                [j - j % bq for j in r_pos] + [0] * (pad + 1),
+                [j - j % bq1 for j in r_pos] + [0] * (pad + 1),
             ]
             for r_pos, _, r_nq in rounds
         ]
@@ -167,14 +168,12 @@ class MtpGraphs:
         self.longs[0, : size * q].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
         self.kept[:size].copy_(torch.tensor(kept, dtype=torch.long), non_blocking=True)
         self.ints[:, :, : size + 1].copy_(torch.tensor(ints, dtype=torch.int32), non_blocking=True)
-        self.tiles[:, : 2 * size].copy_(torch.tensor(tiles, dtype=torch.int32), non_blocking=True)
+        self.tile_buf[:, : 2 * size].copy_(torch.tensor(tiles, dtype=torch.int32), non_blocking=True)
         self.tables[: len(chunks), :width].copy_(table, non_blocking=True)
 
     # ------------------------------------------------------------------ the graph's body
     def _batch(self, size: int, r: int, ids: torch.Tensor) -> ForwardBatch:
         """Round ``r``'s head batch: ``r = 0`` the kept rows (``q`` per request), then one row per request."""
-        from kvwarden.layers.kernels.attention import AttentionMeta
-
         q, rows = self.q, size * self.q
         lo, hi = (0, rows) if r == 0 else (rows + (r - 1) * size, rows + r * size)
         ints = self.ints[r]
@@ -185,10 +184,12 @@ class MtpGraphs:
                 seq_start=ints[0, : size + 1],
                 seq_nq=ints[1, : size + 1],
                 block_tables=self.tables[: size + 1],
-                tile_seq=self.tiles[0, : 2 * size],
-                tile_pos0=self.tiles[1, : 2 * size],
+                tile_seq=self.tile_buf[0, : 2 * size],
+                tile_pos0=self.tile_buf[1, : 2 * size],
                 max_keys=bound,
-                block_q=self.block_q,
+                block_q=self.tiles.prefill,
+                warps=self.tiles.prefill_warps,
+                block_n=self.tiles.block_n,
             )
         else:
             meta = AttentionMeta(
@@ -199,7 +200,9 @@ class MtpGraphs:
                 tile_seq=self.arange[:size],
                 tile_pos0=ints[2, :size],
                 max_keys=bound,
-                block_q=self.block_q,
+                block_q=self.tiles.decode,
+                warps=self.tiles.decode_warps,
+                block_n=self.tiles.block_n,
             )
         return ForwardBatch(
             input_ids=ids,
@@ -230,7 +233,7 @@ class MtpGraphs:
                 continue
             self.longs[2] = self.pad_slot
             self.ints.zero_()
-            self.tiles[0, : 2 * size] = size
+            self.tile_buf[0, : 2 * size] = size
             self._draft(size, verify.hidden)  # warm-up: compiles for this launch shape
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

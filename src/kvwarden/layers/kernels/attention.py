@@ -23,15 +23,19 @@ was chunked:
   unchanged, the rescale factor is ``exp(0) = 1`` and the added terms are
   exact zeros (a split with no visible key keeps ``max = -inf, sum = 0,
   acc = 0``, and a safe max keeps ``exp`` away from ``-inf - -inf``).
-* Prefill and decode are the same compiled kernel: block sizes are constants
-  of the model (head size, GQA ratio) and the batch-dependent integers are not
-  specialised.
-
-NOTE: a launch's query tile is its meta's ``block_q`` positions (``M = max(16, block_q * RP)`` rows,
-rows past ``block_q * RP`` masked), and the engine builds every meta with ``BLOCK_Q``: one tile shape
-for every step, so the argument above is unchanged. Other tile sizes exist only for
-``bench/attention_tiles.py --query-tiles``, which measures whether they keep the bits (an empirical
-question: the tl.dot instruction and the row-sum layout may change with the tile's rows).
+* Prefill and decode run one kernel source: block sizes are constants of the
+  model (head size, GQA ratio) and of the tile (next point), and the
+  batch-dependent integers are not specialised.
+* Decode steps and the rest may run different tiles (the model's ``QueryTiles``, ``attention_meta.py``):
+  one position's group on one warp for a decode step, 128 rows (64 positions at GQA 2) on eight warps
+  for a prefill chunk, a verify step or a mixed step. Each launch's ``M = max(16, block_q * RP)`` rows
+  (rows past ``block_q * RP`` masked). Here the argument above is not enough: a row's products and
+  reductions run in the layout Triton gives the tile, and two layouts may order a row's sums
+  differently. They are used together only where the GPU computed every slot of both alike
+  (``bench/attention_tiles.py --query-tiles`` over real checkpoints' head shapes, and the GPU tests'
+  decode = prefill properties): bfloat16 and float16 on an architecture in ``attention_meta.SPLIT_TILE_ARCHS``.
+  Everywhere else (float32's CUDA-core products, the CPU interpreter) one ``BLOCK_Q`` tile on four
+  warps serves every step, and the argument above is the whole of it.
 
 The split structure is what makes the parallel form (flash-decoding: one
 program per split storing its state, then a fold) bitwise equal to the
@@ -48,7 +52,7 @@ import triton
 import triton.language as tl
 
 from kvwarden.intmath import cdiv
-from kvwarden.layers.kernels.attention_meta import BLOCK_Q, AttentionMeta
+from kvwarden.layers.kernels.attention_meta import BLOCK_Q, UNIFORM_TILES, AttentionMeta, QueryTiles
 
 __all__ = ["BLOCK_Q", "AttentionMeta", "key_tile", "paged_attention", "precompile", "split_in_parallel"]
 
@@ -274,7 +278,7 @@ def paged_attention(
     tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [rows, Hq, D]`` over ``k_cache``/``v_cache [slots, Hkv, D]``, in the query
-    tiles of ``meta`` (``meta.block_q`` positions each: ``BLOCK_Q`` for every engine step).
+    tiles of ``meta`` (``meta.block_q`` positions each, ``meta.warps`` warps a program).
 
     ``parallel_splits``: run each fixed split in its own program and fold them
     after (flash-decoding), or walk them in one program; ``None`` chooses by the
@@ -285,7 +289,7 @@ def paged_attention(
     only (``BLOCK_N`` and the split move the softmax's rescale and fold points,
     so the engine never passes it: every step must use the same).
     """
-    block_n, warps, stages, split = (*tiles, SPLIT)[:4] if tiles else (0, 4, 2, SPLIT)
+    block_n, warps, stages, split = (*tiles, SPLIT)[:4] if tiles else (0, meta.warps, 2, SPLIT)
     q = q.contiguous()
     rows, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -296,12 +300,13 @@ def paged_attention(
     rep = hq // hkv
     rp = triton.next_power_of_2(rep)  # a position's query heads padded to a power of two (tile shapes)
     block_d = max(16, triton.next_power_of_2(d))
-    bq = meta.block_q  # BLOCK_Q for every engine step; others for bench/attention_tiles.py --query-tiles
+    bq = meta.block_q  # the step's tile (decode or prefill: the model's QueryTiles)
     m = max(16, bq * rp)  # the tile's rows (tl.dot needs 16; rows past bq * rp are masked)
     const = dict(HQ=hq, HKV=hkv, D=d, REP=rep, RP=rp, BLOCK_D=block_d, BQ=bq, M=m)
     ieee = q.dtype == torch.float32
     nsplit = cdiv(meta.max_keys, split) if meta.max_keys else 0
-    block_n = block_n or key_tile(BLOCK_Q * rp, block_d)  # of the model's shape: BLOCK_Q's tile whatever bq
+    # the model's: its QueryTiles' (meta.block_n), else of its head shape at BLOCK_Q's tile whatever bq
+    block_n = block_n or meta.block_n or key_tile(BLOCK_Q * rp, block_d)
     if split % block_n:  # a key tile may not straddle a split's boundary (its keys would count twice)
         raise ValueError(f"SPLIT={split} is not a multiple of the key tile {block_n}")
     if parallel_splits is None:
@@ -331,9 +336,9 @@ def paged_attention(
 
 
 def precompile(
-    hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
+    hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, tiles: QueryTiles = UNIFORM_TILES
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compile both forms of the kernel for a model's shapes before the first request needs them.
+    """Compile both forms of the kernel, in the prefill tiles of ``tiles``, before the first request needs them.
 
     A first prefix hit over more than one split would otherwise pay the parallel form's compile
     (about half a second) inside its time to first token. Reads block 0 only; returns the walked
@@ -342,6 +347,7 @@ def precompile(
     d = k_cache.shape[2]
     q = torch.ones((1, hq, d), dtype=k_cache.dtype, device=k_cache.device)
     blocks = cdiv(SPLIT + 1, block_size)
-    meta = AttentionMeta.build([(0, SPLIT, 1, [0] * blocks)], k_cache.device)
+    seqs = [(0, SPLIT, 1, [0] * blocks)]  # one query in a prefill's tile
+    meta = AttentionMeta.build(seqs, k_cache.device, tiles.prefill, tiles.prefill_warps, tiles.block_n)
     walked = paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=False)
     return walked, paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=True)

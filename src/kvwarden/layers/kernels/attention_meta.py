@@ -2,8 +2,10 @@
 
 Built once per step on the host (the Triton backend's ``attention_plan``) and read by every layer's
 launch of :mod:`kvwarden.layers.kernels.attention`, whose docstring gives the invariance argument the
-tile grid serves: query tiles are aligned to absolute positions, ``BLOCK_Q`` positions each (the engine
-builds every meta with ``BLOCK_Q``; other tile sizes are for ``bench/attention_tiles.py --query-tiles`` only).
+tile grid serves: query tiles are aligned to absolute positions, ``block_q`` positions each. Which
+``block_q`` (and how many warps run a tile) is the model's :class:`QueryTiles`: decode steps in tiles of
+one position, every other step in tiles of 128 rows, where the GPU has shown both give the same bits
+(:func:`query_tiles`); one ``BLOCK_Q`` for every step elsewhere.
 """
 
 from __future__ import annotations
@@ -12,7 +14,76 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_Q = 16  # query positions per tile (aligned to absolute position)
+BLOCK_Q = 16  # query positions per tile (aligned to absolute position) where one tile serves every step
+PREFILL_ROWS = 128  # a prefill tile's rows (positions x the padded GQA group) where decode tiles are smaller
+PREFILL_WARPS, DECODE_WARPS, WARPS = 8, 1, 4
+PREFILL_KEYS = 32  # keys per tile where the tiles are split (decode and prefill alike: one per model)
+
+
+@dataclass(frozen=True)
+class QueryTiles:
+    """The query tiles of a model's attention launches: positions per tile and warps per program.
+
+    A step whose every request decodes one position (no draft, no prompt) runs ``decode``-position
+    tiles; every other step (prefill chunks, verify steps, mixed steps) ``prefill``-position tiles.
+
+    NOTE(invariance): a row's bits must not depend on which of the two its step ran, so two different
+    tile shapes are used only where :func:`query_tiles` says the GPU computes a row alike in both
+    (``bench/attention_tiles.py --query-tiles`` measures it per head shape, every slot of a tile);
+    elsewhere both are ``BLOCK_Q`` on ``WARPS`` warps: one compiled kernel for every step.
+    """
+
+    decode: int = BLOCK_Q
+    prefill: int = BLOCK_Q
+    decode_warps: int = WARPS
+    prefill_warps: int = WARPS
+    block_n: int = 0  # keys per tile for every step; 0: the head shape's (kernels/attention.key_tile)
+
+    def for_step(self, decode_only: bool) -> tuple[int, int]:
+        """``(positions per tile, warps)`` of a step: all single-position decodes, or anything else."""
+        return (self.decode, self.decode_warps) if decode_only else (self.prefill, self.prefill_warps)
+
+
+UNIFORM_TILES = QueryTiles()  # one BLOCK_Q tile on WARPS warps for every step
+# GPU architectures (compute capabilities) where the split tiles gave every row the bits of the prefill's
+# (bench/attention_tiles.py --query-tiles and the GPU tests): none yet. The H100 has shown them on one
+# decoded row per shape only (docs/performance.md, changes 28-29); the per-row check has not run.
+SPLIT_TILE_ARCHS: frozenset[tuple[int, int]] = frozenset()
+
+
+def query_tiles(
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    verified: frozenset[tuple[int, int]] = SPLIT_TILE_ARCHS,
+) -> QueryTiles:
+    """A model's query tiles: one-position decode tiles beside 128-row prefill tiles where they keep the
+    bits, else ``BLOCK_Q`` for every step.
+
+    Args:
+        num_heads, num_kv_heads: the attention's query and KV heads (the GQA group sets a tile's rows).
+        dtype: the model's (q, K and V).
+        capability: the CUDA GPU's compute capability, None off a GPU.
+        verified: the compute capabilities on which the split tiles were shown to keep the bits.
+
+    Split tiles only in bfloat16 or float16 on a verified GPU architecture. There a tile's rows go to
+    warps in groups of 16 for the tensor cores' products; whether a one-position tile on one warp and a
+    128-row tile on eight order a row's sums alike is up to the code Triton generates for the
+    architecture, so it is measured (``bench/attention_tiles.py --query-tiles``, every slot of a tile, on
+    real checkpoints' head shapes; the GPU tests' decode = prefill properties), not assumed. float32 runs
+    the products on the CUDA cores (``input_precision="ieee"``), another layout, not part of that
+    measurement; Triton's CPU interpreter multiplies with NumPy, whose blocking follows the matrix's rows
+    (a one-position tile changed 94 of 95 rows there). Both keep the one tile.
+    """
+    if capability not in verified or dtype not in (torch.bfloat16, torch.float16):
+        return UNIFORM_TILES
+    rp = 1 << max(0, num_heads // num_kv_heads - 1).bit_length()  # the GQA group padded to a power of two
+    # at least BLOCK_Q positions: a graph's rows of one request (up to BLOCK_Q) still fit two tiles. Keys 32
+    # a tile: a one-warp decode tile walks them at 56 us over 16K keys against 90 at 64 (H100, GQA 2, head
+    # 128), and the 64-position prefill tile at 122 us against 132 (a 2,048-token chunk).
+    prefill = max(BLOCK_Q, PREFILL_ROWS // rp)
+    return QueryTiles(1, prefill, decode_warps=DECODE_WARPS, prefill_warps=PREFILL_WARPS, block_n=PREFILL_KEYS)
 
 
 @dataclass(frozen=True)
@@ -28,8 +99,9 @@ class AttentionMeta:
         max_keys: a bound on the step's longest context, which sizes the parallel splits: the
             exact figure in an eager step, the longest context served in a captured graph (whose
             steps' contexts vary; splits past a tile's keys then exit at once). 0: walk the splits.
-        block_q: the query positions per tile the tiles were built for (the launch's tile size):
-            ``BLOCK_Q`` for every engine step; others for ``bench/attention_tiles.py`` only.
+        block_q: the query positions per tile the tiles were built for (the launch's tile size).
+        warps: the warps of a tile's program (with ``block_q``, the model's :class:`QueryTiles`).
+        block_n: keys per tile (the model's; 0: ``kernels/attention.key_tile`` of its head shape).
     """
 
     seq_row0: torch.Tensor
@@ -40,12 +112,22 @@ class AttentionMeta:
     tile_pos0: torch.Tensor
     max_keys: int = 0
     block_q: int = BLOCK_Q
+    warps: int = WARPS
+    block_n: int = 0
 
     @classmethod
     def build(
-        cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str, block_q: int = BLOCK_Q
+        cls,
+        seqs: list[tuple[int, int, int, list[int]]],
+        device: torch.device | str,
+        block_q: int = BLOCK_Q,
+        warps: int = WARPS,
+        block_n: int = 0,
     ) -> AttentionMeta:
-        """From ``(row_start, start_pos, num_queries, block_ids)`` per request; tiles of ``block_q`` positions."""
+        """From ``(row_start, start_pos, num_queries, block_ids)`` per request; tiles of ``block_q`` positions
+        (a power of two), each run by ``warps`` warps over ``block_n`` keys at a time."""
+        if block_q < 1 or block_q & (block_q - 1):
+            raise ValueError(f"block_q must be a power of two (a tile's rows are a tl.arange), got {block_q}")
         max_blocks = max((len(b) for *_, b in seqs), default=1) or 1
         tables = [b + [0] * (max_blocks - len(b)) for *_, b in seqs]
         tile_seq, tile_pos0 = [], []
@@ -66,4 +148,14 @@ class AttentionMeta:
             tile_pos0=t(tile_pos0),
             max_keys=max((start + nq for _, start, nq, _ in seqs), default=0),
             block_q=block_q,
+            warps=warps,
+            block_n=block_n,
         )
+
+    @classmethod
+    def for_step(
+        cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str, tiles: QueryTiles
+    ) -> AttentionMeta:
+        """:meth:`build` with the tiles ``tiles`` gives a step of these requests."""
+        block_q, warps = tiles.for_step(all(nq == 1 for _, _, nq, _ in seqs))
+        return cls.build(seqs, device, block_q, warps, tiles.block_n)

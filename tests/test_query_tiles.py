@@ -1,0 +1,126 @@
+"""The attention's query tiles: which tiles a model's steps get, and that a graph's buffers build the tiles an
+eager step of the same requests builds.
+
+Whether two tile shapes give a row the same bits is a property of the GPU's compiled kernels: the GPU tests
+(tests/test_triton_engine.py's decode = prefill and graph = eager properties, in bfloat16) and
+``bench/attention_tiles.py --query-tiles`` check it there. Here: the policy, and the tile grids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvwarden.engine.graph_batch import GraphBatch
+from kvwarden.engine.request import Request
+from kvwarden.engine.scheduler import ScheduledChunk
+from kvwarden.layers.kernels.attention_meta import (
+    BLOCK_Q,
+    SPLIT_TILE_ARCHS,
+    UNIFORM_TILES,
+    AttentionMeta,
+    QueryTiles,
+    query_tiles,
+)
+
+SPLIT_TILES = QueryTiles(decode=1, prefill=64, decode_warps=1, prefill_warps=8, block_n=32)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "prefill"),
+    [(16, 8, 64), (32, 8, 32), (24, 8, 32), (16, 2, 16), (14, 2, 16), (32, 32, 128), (64, 2, 16)],
+)
+def test_gpu_half_precision_steps_get_one_position_decode_tiles_beside_128_row_prefill_tiles(
+    heads: int, kv_heads: int, prefill: int
+) -> None:
+    """Prefill tiles of 128 rows: positions x the GQA group padded to a power of two (GQA 3 -> 4: 32
+    positions), never fewer than BLOCK_Q positions (GQA 32: 16 positions, 512 rows)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        tiles = query_tiles(heads, kv_heads, dtype, (9, 0), verified=frozenset({(9, 0)}))
+        assert tiles == QueryTiles(decode=1, prefill=prefill, decode_warps=1, prefill_warps=8, block_n=32)
+        assert tiles.for_step(decode_only=True) == (1, 1) and tiles.for_step(decode_only=False) == (prefill, 8)
+
+
+def test_float32_the_cpu_and_unverified_gpus_keep_one_tile_for_every_step() -> None:
+    hopper = frozenset({(9, 0)})
+    assert query_tiles(16, 8, torch.float32, (9, 0), verified=hopper) == UNIFORM_TILES
+    assert query_tiles(16, 8, torch.bfloat16, None, verified=hopper) == UNIFORM_TILES  # the CPU
+    assert query_tiles(16, 8, torch.bfloat16, (8, 0), verified=hopper) == UNIFORM_TILES  # not measured there
+    # by default, the architectures recorded in attention_meta.SPLIT_TILE_ARCHS
+    for arch in SPLIT_TILE_ARCHS:
+        assert query_tiles(16, 8, torch.bfloat16, arch).for_step(True) == (1, 1)
+    assert query_tiles(16, 8, torch.bfloat16, (1, 0)) == UNIFORM_TILES
+    assert UNIFORM_TILES.for_step(True) == UNIFORM_TILES.for_step(False) == (BLOCK_Q, 4)
+    assert UNIFORM_TILES.block_n == 0  # the head shape's key tile (kernels/attention.key_tile)
+
+
+def test_a_step_of_decodes_only_gets_the_decode_tile_any_other_the_prefill_tile() -> None:
+    blocks = list(range(8))
+    decodes = [(0, 37, 1, blocks), (1, 64, 1, blocks), (2, 0, 1, blocks)]
+    meta = AttentionMeta.for_step(decodes, "cpu", SPLIT_TILES)
+    assert (meta.block_q, meta.warps, meta.block_n) == (1, 1, 32)
+    assert meta.tile_seq.tolist() == [0, 1, 2] and meta.tile_pos0.tolist() == [37, 64, 0]
+    # one request with a prompt chunk (or drafts) turns the whole step to prefill tiles, its decodes too
+    mixed = [*decodes, (3, 60, 10, blocks)]
+    meta = AttentionMeta.for_step(mixed, "cpu", SPLIT_TILES)
+    assert (meta.block_q, meta.warps, meta.block_n) == (64, 8, 32)
+    assert meta.tile_seq.tolist() == [0, 1, 2, 3, 3] and meta.tile_pos0.tolist() == [0, 64, 0, 0, 64]
+
+
+def test_a_tile_of_positions_that_are_not_a_power_of_two_is_refused() -> None:
+    for bad in (0, 3, 48):
+        with pytest.raises(ValueError, match=f"block_q must be a power of two.*got {bad}"):
+            AttentionMeta.build([(0, 0, 4, [0])], "cpu", block_q=bad)
+
+
+class _Tables:
+    """Block tables by request id (the engine's own is ``BlockTables`` over the KV manager)."""
+
+    def __init__(self, rows: dict[str, list[int]]) -> None:
+        self.rows = {k: np.array(v, dtype=np.int32) for k, v in rows.items()}
+
+    def block_row(self, request_id: str) -> np.ndarray:
+        return self.rows[request_id]
+
+
+def _tile_set(meta: AttentionMeta, requests: int) -> set[tuple[int, int]]:
+    """The (request, first position) of every tile of a real request (a graph's spare tiles point past them)."""
+    pairs = zip(meta.tile_seq.tolist(), meta.tile_pos0.tolist(), strict=True)
+    return {(s, p) for s, p in pairs if s < requests}
+
+
+@pytest.mark.parametrize("tiles", [UNIFORM_TILES, SPLIT_TILES], ids=["uniform", "split"])
+def test_graph_buffers_build_the_tiles_an_eager_step_of_the_same_requests_builds(tiles: QueryTiles) -> None:
+    gen = torch.Generator().manual_seed(3)
+    block_size, size = 16, 4
+    lengths = [70, 130, 5]  # tokens held; a decode computes the last, a prompt tail the last few
+    reqs = [
+        Request(request_id=f"r{i}", all_token_ids=torch.randint(0, 100, (n,), generator=gen).tolist())
+        for i, n in enumerate(lengths)
+    ]
+    tables = _Tables({r.request_id: list(range(10 * i, 10 * i + 9)) for i, r in enumerate(reqs)})
+    buffers = GraphBatch(torch.device("cpu"), size, 16, block_size, 144, 10_000, tiles, None)
+
+    def eager(chunks: list[ScheduledChunk]) -> AttentionMeta:
+        shares = [
+            (i, c.start, c.num_tokens, tables.block_row(c.request.request_id).tolist()) for i, c in enumerate(chunks)
+        ]
+        return AttentionMeta.for_step(shares, "cpu", tiles)
+
+    decode = [ScheduledChunk(r, r.num_tokens - 1, 1) for r in reqs]
+    buffers.stage(decode, tables, size, 1)
+    graph, want = buffers.forward_batch(size, 1).plan.meta, eager(decode)
+    assert (graph.block_q, graph.warps) == (want.block_q, want.warps) == tiles.for_step(True)
+    assert graph.block_n == want.block_n == tiles.block_n
+    assert _tile_set(graph, len(reqs)) == _tile_set(want, len(reqs))
+    assert graph.seq_start[: len(reqs)].tolist() == [n - 1 for n in lengths]
+
+    tails = [ScheduledChunk(r, max(0, r.num_tokens - 12), min(12, r.num_tokens)) for r in reqs]  # 62..69, ...
+    buffers.stage(tails, tables, size, 16)
+    graph = buffers.forward_batch(size, 16).plan.meta
+    # the graph pads every request to 16 rows: the eager step of 16-row chunks from the same starts
+    want = eager([ScheduledChunk(c.request, c.start, 16) for c in tails])
+    assert (graph.block_q, graph.warps) == (want.block_q, want.warps) == tiles.for_step(False)
+    assert graph.block_n == want.block_n == tiles.block_n
+    assert _tile_set(graph, len(reqs)) == _tile_set(want, len(reqs))
