@@ -27,30 +27,37 @@ from kvwarden.layers.kernels.attention_meta import (
 SPLIT_TILES = QueryTiles(decode=1, prefill=64, decode_warps=1, prefill_warps=8, block_n=32)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "prefill"),
-    [(16, 8, 64), (32, 8, 32), (24, 8, 32), (16, 2, 16), (14, 2, 16), (32, 32, 128), (64, 2, 16)],
-)
-def test_gpu_half_precision_steps_get_one_position_decode_tiles_beside_128_row_prefill_tiles(
-    heads: int, kv_heads: int, prefill: int
-) -> None:
-    """Prefill tiles of 128 rows: positions x the GQA group padded to a power of two (GQA 3 -> 4: 32
-    positions), never fewer than BLOCK_Q positions (GQA 32: 16 positions, 512 rows)."""
+HOPPER = frozenset({(9, 0)})
+
+
+def test_gpu_half_precision_gqa_2_gets_one_position_decode_tiles_beside_128_row_prefill_tiles() -> None:
+    """Qwen3-0.6B's shape (16 query heads, 8 KV heads, head 128): 64-position prefill tiles, 32-key tiles."""
     for dtype in (torch.bfloat16, torch.float16):
-        tiles = query_tiles(heads, kv_heads, dtype, (9, 0), verified=frozenset({(9, 0)}))
-        assert tiles == QueryTiles(decode=1, prefill=prefill, decode_warps=1, prefill_warps=8, block_n=32)
-        assert tiles.for_step(decode_only=True) == (1, 1) and tiles.for_step(decode_only=False) == (prefill, 8)
+        for heads, kv_heads, head_dim in ((16, 8, 128), (32, 16, 64), (4, 2, 16)):
+            tiles = query_tiles(heads, kv_heads, head_dim, dtype, (9, 0), verified=HOPPER)
+            assert tiles == QueryTiles(decode=1, prefill=64, decode_warps=1, prefill_warps=8, block_n=32)
+            assert tiles.for_step(decode_only=True) == (1, 1) and tiles.for_step(decode_only=False) == (64, 8)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(32, 8, 128), (14, 2, 64), (16, 2, 256), (16, 8, 256), (16, 16, 128)],
+    ids=["gqa4", "gqa7", "qwen3-next", "head256", "mha"],
+)
+def test_shapes_where_split_tiles_are_not_faster_or_not_measured_keep_one_tile(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    assert query_tiles(heads, kv_heads, head_dim, torch.bfloat16, (9, 0), verified=HOPPER) == UNIFORM_TILES
 
 
 def test_float32_the_cpu_and_unverified_gpus_keep_one_tile_for_every_step() -> None:
-    hopper = frozenset({(9, 0)})
-    assert query_tiles(16, 8, torch.float32, (9, 0), verified=hopper) == UNIFORM_TILES
-    assert query_tiles(16, 8, torch.bfloat16, None, verified=hopper) == UNIFORM_TILES  # the CPU
-    assert query_tiles(16, 8, torch.bfloat16, (8, 0), verified=hopper) == UNIFORM_TILES  # not measured there
-    # by default, the architectures recorded in attention_meta.SPLIT_TILE_ARCHS
-    for arch in SPLIT_TILE_ARCHS:
-        assert query_tiles(16, 8, torch.bfloat16, arch).for_step(True) == (1, 1)
-    assert query_tiles(16, 8, torch.bfloat16, (1, 0)) == UNIFORM_TILES
+    assert query_tiles(16, 8, 128, torch.float32, (9, 0), verified=HOPPER) == UNIFORM_TILES
+    assert query_tiles(16, 8, 128, torch.bfloat16, None, verified=HOPPER) == UNIFORM_TILES  # the CPU
+    assert query_tiles(16, 8, 128, torch.bfloat16, (8, 0), verified=HOPPER) == UNIFORM_TILES  # not measured there
+    # by default, the architectures recorded in attention_meta.SPLIT_TILE_ARCHS: Hopper
+    assert SPLIT_TILE_ARCHS == HOPPER
+    assert query_tiles(16, 8, 128, torch.bfloat16, (9, 0)).for_step(True) == (1, 1)
+    assert query_tiles(16, 8, 128, torch.bfloat16, (1, 0)) == UNIFORM_TILES
     assert UNIFORM_TILES.for_step(True) == UNIFORM_TILES.for_step(False) == (BLOCK_Q, 4)
     assert UNIFORM_TILES.block_n == 0  # the head shape's key tile (kernels/attention.key_tile)
 

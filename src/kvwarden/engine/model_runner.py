@@ -123,7 +123,8 @@ class ModelRunner:
         cfg = model.cfg
         # the Triton attention's query tiles: of the model's heads, dtype and device, never of the step
         arch = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        self.query_tiles = query_tiles(cfg.num_attention_heads, cfg.num_key_value_heads, model.dtype, arch)
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.query_tiles = query_tiles(*heads, model.dtype, arch)
         slots = self.null_slot + 2  # the null slot stays all zero; the last one is the graphs' scratch
         layers = model.num_attention_layers
         # Layer i's tensors are reached only through kv_caches[i], which waits for its pending host-tier copies.

@@ -45,45 +45,53 @@ class QueryTiles:
 
 
 UNIFORM_TILES = QueryTiles()  # one BLOCK_Q tile on WARPS warps for every step
-# GPU architectures (compute capabilities) where the split tiles gave every row the bits of the prefill's
-# (bench/attention_tiles.py --query-tiles and the GPU tests): none yet. The H100 has shown them on one
-# decoded row per shape only (docs/performance.md, changes 28-29); the per-row check has not run.
-SPLIT_TILE_ARCHS: frozenset[tuple[int, int]] = frozenset()
+# GPU architectures (compute capabilities) where the split tiles gave every row the bits of the prefill's:
+# Hopper (H100 80GB HBM3, 2026-12-07: bench/attention_tiles.py --query-tiles, every one of ~94 decoded
+# positions equal to its prefill row at GQA 2, 4, 7 and 8 with heads of 64 and 128, and the GPU tests).
+SPLIT_TILE_ARCHS: frozenset[tuple[int, int]] = frozenset({(9, 0)})
+# Where they are also faster (H100, bench/attention_tiles.py, the engine's tiles beside the split ones):
+# GQA 2 at head 128 (Qwen3-0.6B's shape) gains at every shape measured but one (b1 x 1K: level). GQA 4's
+# 32-position prefill tile ran a 2,048-token chunk at 276 us against 236 for 16 positions on 4 warps, and
+# head 256 (Qwen3-Next) was not measured (its check ran past the call's time): those keep the one tile.
+SPLIT_GROUP, SPLIT_MAX_HEAD = 2, 128
 
 
 def query_tiles(
     num_heads: int,
     num_kv_heads: int,
+    head_dim: int,
     dtype: torch.dtype,
     capability: tuple[int, int] | None,
     verified: frozenset[tuple[int, int]] = SPLIT_TILE_ARCHS,
 ) -> QueryTiles:
     """A model's query tiles: one-position decode tiles beside 128-row prefill tiles where they keep the
-    bits, else ``BLOCK_Q`` for every step.
+    bits and are faster, else ``BLOCK_Q`` for every step.
 
     Args:
-        num_heads, num_kv_heads: the attention's query and KV heads (the GQA group sets a tile's rows).
+        num_heads, num_kv_heads, head_dim: the attention's shape (the GQA group sets a tile's rows).
         dtype: the model's (q, K and V).
         capability: the CUDA GPU's compute capability, None off a GPU.
         verified: the compute capabilities on which the split tiles were shown to keep the bits.
 
-    Split tiles only in bfloat16 or float16 on a verified GPU architecture. There a tile's rows go to
-    warps in groups of 16 for the tensor cores' products; whether a one-position tile on one warp and a
-    128-row tile on eight order a row's sums alike is up to the code Triton generates for the
-    architecture, so it is measured (``bench/attention_tiles.py --query-tiles``, every slot of a tile, on
-    real checkpoints' head shapes; the GPU tests' decode = prefill properties), not assumed. float32 runs
-    the products on the CUDA cores (``input_precision="ieee"``), another layout, not part of that
-    measurement; Triton's CPU interpreter multiplies with NumPy, whose blocking follows the matrix's rows
-    (a one-position tile changed 94 of 95 rows there). Both keep the one tile.
+    Split tiles only in bfloat16 or float16 on a verified GPU architecture, for GQA 2 with heads up to
+    128 (``SPLIT_GROUP``, ``SPLIT_MAX_HEAD``). Whether a one-position tile on one warp and a 128-row tile
+    on eight order a row's sums alike is up to the code Triton generates for the architecture, so it is
+    measured (``bench/attention_tiles.py --query-tiles``, every slot of a tile, on real checkpoints' head
+    shapes; the GPU tests' decode = prefill properties), not assumed. float32 runs the products on the
+    CUDA cores (``input_precision="ieee"``), another layout, not part of that measurement; Triton's CPU
+    interpreter multiplies with NumPy, whose blocking follows the matrix's rows (a one-position tile
+    changed 94 of 95 rows there). Both keep the one tile.
     """
+    rep = num_heads // num_kv_heads
     if capability not in verified or dtype not in (torch.bfloat16, torch.float16):
         return UNIFORM_TILES
-    rp = 1 << max(0, num_heads // num_kv_heads - 1).bit_length()  # the GQA group padded to a power of two
-    # at least BLOCK_Q positions: a graph's rows of one request (up to BLOCK_Q) still fit two tiles. Keys 32
-    # a tile: a one-warp decode tile walks them at 56 us over 16K keys against 90 at 64 (H100, GQA 2, head
-    # 128), and the 64-position prefill tile at 122 us against 132 (a 2,048-token chunk).
-    prefill = max(BLOCK_Q, PREFILL_ROWS // rp)
-    return QueryTiles(1, prefill, decode_warps=DECODE_WARPS, prefill_warps=PREFILL_WARPS, block_n=PREFILL_KEYS)
+    if rep != SPLIT_GROUP or head_dim > SPLIT_MAX_HEAD:
+        return UNIFORM_TILES
+    # 64 positions x the group of 2: 128 rows. Keys 32 a tile: a one-warp decode tile walks 16K keys in
+    # 57 us against 54 at 64, 256 requests over 640 keys in 247 against 270, and the 64-position
+    # prefill tile a 2,048-token chunk in 123 us against 132 (H100, GQA 2, head 128).
+    return QueryTiles(1, PREFILL_ROWS // rep, decode_warps=DECODE_WARPS, prefill_warps=PREFILL_WARPS,
+                      block_n=PREFILL_KEYS)  # fmt: skip
 
 
 @dataclass(frozen=True)
