@@ -26,6 +26,7 @@ from kvwarden.layers.cpu_kernels.build import BuildError, build
 from kvwarden.layers.cpu_kernels.library import CpuKernels, load
 from kvwarden.layers.cpu_ops import CompiledCpuOps
 from kvwarden.layers.gemm_rows import torch_threads
+from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES
 from kvwarden.layers.numerics import CanonicalOps
 from kvwarden.layers.rotary import RotaryEmbedding
 from util import random_tokens
@@ -194,7 +195,7 @@ def _attend(
     for start, n in pieces:
         seqs.append(SeqAttn(row_start=row, num_queries=n, start_pos=start, slots=slots))
         row += n
-    plan = ops.attention_plan(seqs, row, [slots.tolist()] * len(seqs), 0, 1)
+    plan = ops.attention_plan(seqs, row, [slots.tolist()] * len(seqs), 0, 1, UNIFORM_TILES)  # (GPU tiles only)
     return ops.attention(q, kv, plan, 0.125, 1)
 
 

@@ -380,12 +380,17 @@ def test_attention_query_tiles_of_other_sizes_agree_with_the_reference(hq: int, 
 
 
 @pytest.mark.parametrize("split_tiles", [False, True], ids=["uniform", "split"])
-def test_precompile_runs_both_forms_and_they_agree(split_tiles: bool) -> None:
+def test_precompile_runs_both_forms_and_they_agree(split_tiles: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the model's prefill tiles: BLOCK_Q's, or a GPU model's 128-row ones (64 positions at GQA 2)."""
     g = gen(8)
     k, v = (rand(g, 4 * 16 + 2, 2, 16) for _ in range(2))
     tiles = attention_meta.QueryTiles(1, 64, 1, 8, 32) if split_tiles else attention_meta.UNIFORM_TILES
+    launched = []  # the tiles each compile ran (the interpreter runs any warps alike, so the bits cannot tell)
+    real = attention.paged_attention
+    monkeypatch.setattr(attention, "paged_attention", lambda q, *a, **kw: launched.append(a[2]) or real(q, *a, **kw))
     walked, parallel = attention.precompile(4, k, v, 16, tiles)  # block 0 only, over two splits
+    want = (tiles.prefill, tiles.prefill_warps, tiles.block_n)
+    assert [(m.block_q, m.warps, m.block_n) for m in launched] == [want, want]
     assert same(walked, parallel)
     ref = _reference(torch.ones(1, 4, 16), k, v, [0] * 65, 16, attention.SPLIT, 1.0)
     assert close(walked, ref, torch.float32)

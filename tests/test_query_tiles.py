@@ -8,6 +8,9 @@ Whether two tile shapes give a row the same bits is a property of the GPU's comp
 
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +134,42 @@ def test_graph_buffers_build_the_tiles_an_eager_step_of_the_same_requests_builds
     assert (graph.block_q, graph.warps) == (want.block_q, want.warps) == tiles.for_step(False)
     assert graph.block_n == want.block_n == tiles.block_n
     assert _tile_set(graph, len(reqs)) == _tile_set(want, len(reqs))
+
+
+def test_query_tiles_refuse_shapes_the_kernel_cannot_run() -> None:
+    for bad, match in (
+        (dict(decode=3), "decode must be a power of two, got 3"),
+        (dict(prefill=48), "prefill must be a power of two, got 48"),
+        (dict(decode=1, prefill=8), "prefill must be at least 16 positions, got 8"),
+        (dict(block_n=48), "block_n must be 0 or a power of two up to 128, got 48"),
+        (dict(prefill_warps=6), "prefill_warps must be a power of two, got 6"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            QueryTiles(**bad)
+
+
+def test_the_model_runner_hands_its_tiles_to_every_plan_and_to_its_graphs(
+    llama_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a model gets the one tile; with the split tiles chosen (as on a Hopper GPU), eager plans,
+    the MTP head's fill (``prefill_tiles``) and the graphs' buffers all carry them. Plans only: the
+    interpreter's products are not the GPU's, so no forward runs here."""
+    from kvwarden import LLM
+    from kvwarden.engine import model_runner
+    from kvwarden.engine.model_runner import BatchEntry
+
+    make = partial(LLM, str(llama_tiny), device="cpu", kernels="triton", cuda_graphs="emulate", num_blocks=64)
+    assert make().engine.runner.query_tiles == UNIFORM_TILES
+    monkeypatch.setattr(model_runner, "query_tiles", lambda *_: SPLIT_TILES)
+    runner = make().engine.runner
+    assert runner.query_tiles == SPLIT_TILES
+    assert runner.graphs is not None and runner.graphs.tiles == SPLIT_TILES
+    assert runner.graphs.buffers.query_tiles == SPLIT_TILES
+    blocks = [0, 1, 2, 3]
+    decodes = [BatchEntry("a", [5], 20, blocks), BatchEntry("b", [6], 9, blocks)]
+    meta = runner.make_batch(decodes).plan.meta
+    assert (meta.block_q, meta.warps, meta.block_n) == (1, 1, 32)
+    meta = runner.make_batch(decodes, with_states=False, prefill_tiles=True).plan.meta
+    assert (meta.block_q, meta.warps, meta.block_n) == (64, 8, 32)
+    meta = runner.make_batch([*decodes, BatchEntry("c", [1, 2, 3], 0, blocks)]).plan.meta
+    assert (meta.block_q, meta.warps, meta.block_n) == (64, 8, 32)

@@ -4,7 +4,7 @@ A step in which every request computes exactly one token (no prompt scores, no t
 to the next captured batch size and replayed from a graph captured at start-up: one launch for the
 whole model instead of ~20 Python-dispatched kernels per layer. Wider graphs take more rows per request:
 with speculative decoding ``k + 1`` (its last token and ``k`` drafts), and at the smallest batch sizes a
-query tile (a prompt's last chunk of up to 16 tokens: a warm request's uncached tail); a step replays the
+16 rows (a prompt's last chunk of up to 16 tokens: a warm request's uncached tail); a step replays the
 narrowest that holds its widest request, every request padded up to the width (fewer drafts, none, or a
 short prompt chunk). Hybrid models keep every token's recurrent state there and return to the last real
 or accepted one on the device (:mod:`kvwarden.engine.verified_states`). Everything else (longer or
@@ -57,7 +57,7 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.engine.graph_batch import BlockTables, GraphBatch
 from kvwarden.engine.verified_states import StateReturns, VerifiedStates
 from kvwarden.intmath import round_up
-from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
+from kvwarden.layers.kernels.attention_meta import QueryTiles
 from kvwarden.models.decoder import DecoderModel
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 
 TAIL_SIZES = 4  # a dense model's prompt-tail graphs: batch sizes up to this
-MAX_Q = 16  # a graph's rows per request at most (a prompt's tail; k + 1 < MAX_Q for verify graphs)
+MAX_Q = 16  # a graph's rows per request at most (a prompt's tail; k + 1 <= MAX_Q for verify graphs)
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:
@@ -136,18 +136,19 @@ class DecodeGraphs:
         capture: bool,
         states: StatePool | None = None,
         spec_tokens: int = 0,
-        tiles: QueryTiles = UNIFORM_TILES,
+        *,
+        tiles: QueryTiles,
     ) -> None:
         self.model, self.kv, self.block_size, self.states = model, kv, block_size, states
         self.sizes = graph_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
-        # A request's k + 1 rows must fit two query tiles; longer drafts verify eagerly.
+        # A graph holds up to MAX_Q rows a request (two prefill tiles at most); longer drafts verify eagerly.
         self.widths = (1, spec_tokens + 1) if 0 < spec_tokens < MAX_Q else (1,)
         if spec_tokens >= MAX_Q:
             log.info("verify steps of %d drafts run eagerly (graphs hold up to %d)", spec_tokens, MAX_Q - 1)
         self.tiles = tiles
         # (size, rows per request) captured: decode and verify at every size; the last chunk of a prompt (up
-        # to a query tile, e.g. a warm request's uncached tail) at the smallest sizes - a hybrid keeps every
+        # to MAX_Q tokens, e.g. a warm request's uncached tail) at the smallest sizes - a hybrid keeps every
         # row's recurrent state in them, so only batch 1 there
         tails = [s for s in self.sizes if s <= (1 if states is not None else TAIL_SIZES)]
         self.shapes = sorted({(s, q) for s in self.sizes for q in self.widths} | {(s, MAX_Q) for s in tails})

@@ -86,7 +86,7 @@ class GraphBatch:
         # per request (one more: the empty request unused tiles point at): start, queries (0: padding),
         # first tile's position (q = 1 graphs), state slot
         self.ints = torch.zeros((4, n + 1), dtype=torch.int32, device=device)
-        self.tiles = torch.zeros((2, 2 * n), dtype=torch.int32, device=device)  # request, first position
+        self.tile_buf = torch.zeros((2, 2 * n), dtype=torch.int32, device=device)  # request, first position
         self.tables = torch.zeros((n + 1, cdiv(max_model_len, block_size)), dtype=torch.int32, device=device)
         self._table = np.zeros(tuple(self.tables.shape), dtype=np.int32)  # the host side of a step's tables
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -98,7 +98,7 @@ class GraphBatch:
         """Every request a padding request (before a warm-up or a capture)."""
         self.longs[2, : size * q] = self.pad_slot
         self.ints[1, : size + 1] = 0
-        self.tiles[0, : 2 * size] = size
+        self.tile_buf[0, : 2 * size] = size
         if self.states is not None:
             self.ints[3, :size] = self.states.scratch_slot
 
@@ -185,7 +185,7 @@ class GraphBatch:
         self.ints[:, : size + 1].copy_(self._pinned(ints, torch.int32), non_blocking=True)
         tile_seq += [size] * (2 * pad)
         tile_pos += [0] * (2 * pad)
-        self.tiles[:, : 2 * size].copy_(self._pinned([tile_seq, tile_pos], torch.int32), non_blocking=True)
+        self.tile_buf[:, : 2 * size].copy_(self._pinned([tile_seq, tile_pos], torch.int32), non_blocking=True)
 
     def _pinned(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return self._pin(torch.tensor(rows, dtype=dtype))
@@ -222,8 +222,8 @@ class GraphBatch:
                 seq_start=self.ints[0, : size + 1],
                 seq_nq=self.ints[1, : size + 1],
                 block_tables=self.tables[: size + 1],
-                tile_seq=self.tiles[0, : 2 * size],
-                tile_pos0=self.tiles[1, : 2 * size],
+                tile_seq=self.tile_buf[0, : 2 * size],
+                tile_pos0=self.tile_buf[1, : 2 * size],
                 max_keys=bound,
                 block_q=self.query_tiles.prefill,
                 warps=self.query_tiles.prefill_warps,

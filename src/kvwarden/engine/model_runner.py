@@ -13,7 +13,7 @@ step; pure decode steps replay a CUDA graph (:mod:`kvwarden.engine.cuda_graphs`)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -158,7 +158,7 @@ class ModelRunner:
             mode == "auto",
             self.states,
             spec_tokens,
-            self.query_tiles,
+            tiles=self.query_tiles,
         )
 
     def will_replay(self, out: SchedulerOutput) -> bool:
@@ -257,13 +257,15 @@ class ModelRunner:
         with_states: bool = True,
         tokens: dict[str, range] | None = None,
         null_slot: int | None = None,
+        prefill_tiles: bool = False,
     ) -> ForwardBatch:
         """The step's tensors for rows of several requests (host-built, copied to the device once).
 
         ``with_states=False``: a forward without recurrent layers (the MTP head's). ``tokens``: per verify
         chunk, the rows after which the batched kernels keep its recurrent state (the return after a
         rejected draft). ``null_slot``: the all-zero slot of the caches the step reads when they are not
-        the pool's (layer split's view buffers)."""
+        the pool's (layer split's view buffers). ``prefill_tiles``: attention in the model's prefill tiles
+        even where every entry has one row (the MTP head's fill, which its drafting graph runs so)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[torch.Tensor] = []
@@ -284,7 +286,10 @@ class ModelRunner:
             seqs.append(SeqAttn(row0, len(e.token_ids), e.start, slots))
             slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
         null = self.null_slot if null_slot is None else null_slot
-        plan = self.ops.attention_plan(seqs, len(ids), block_ids, null, self.block_size, self.query_tiles)
+        tiles = self.query_tiles
+        if prefill_tiles:  # NOTE(invariance): the tiles the drafting graph's first round builds
+            tiles = replace(tiles, decode=tiles.prefill, decode_warps=tiles.prefill_warps)
+        plan = self.ops.attention_plan(seqs, len(ids), block_ids, null, self.block_size, tiles)
         dev = self.device
         recurrent = None
         if with_states and self.states is not None and self.ops.batched_recurrent:

@@ -25,7 +25,7 @@ import torch
 from kvwarden.config import NumericsConfig
 from kvwarden.layers.attention import AttentionPlan, SeqAttn
 from kvwarden.layers.cpu_kernels.library import CpuAttentionMeta, CpuKernels
-from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
+from kvwarden.layers.kernels.attention_meta import QueryTiles
 from kvwarden.layers.numerics import CanonicalOps
 from kvwarden.layers.rotary import RotaryEmbedding
 
@@ -130,7 +130,7 @@ class CompiledCpuOps(CanonicalOps):
         block_ids: list[list[int]],
         null_slot: int,
         block_size: int,
-        tiles: QueryTiles = UNIFORM_TILES,
+        tiles: QueryTiles,
     ) -> AttentionPlan:
         if not self.in_place_attention:
             return super().attention_plan(seqs, num_rows, block_ids, null_slot, block_size, tiles)

@@ -22,7 +22,7 @@ import torch
 
 from kvwarden.config import NumericsConfig
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
-from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
+from kvwarden.layers.kernels.attention_meta import QueryTiles
 from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 
@@ -97,7 +97,7 @@ class CudaOps(Ops):
         block_ids: list[list[int]],
         null_slot: int,
         block_size: int,
-        tiles: QueryTiles = UNIFORM_TILES,
+        tiles: QueryTiles,
     ) -> AttentionPlan:
         # Slots go to the device once per step; decode requests (one query each) are batched into one
         # padded attention call per layer, the way vendor engines batch decode.
@@ -266,7 +266,7 @@ class TritonOps(CudaOps):
         block_ids: list[list[int]],
         null_slot: int,
         block_size: int,
-        tiles: QueryTiles = UNIFORM_TILES,
+        tiles: QueryTiles,
     ) -> AttentionPlan:
         shares = [(s.row_start, s.start_pos, s.num_queries, b) for s, b in zip(seqs, block_ids, strict=True)]
         meta = self.k_attention.AttentionMeta.for_step(shares, self.device, tiles)

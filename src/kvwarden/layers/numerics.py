@@ -46,7 +46,7 @@ from kvwarden.intmath import round_up
 from kvwarden.layers.attention import AttentionPlan, SeqAttn, shape_dependent_attention
 from kvwarden.layers.canonical_attention import build_tile_plan, canonical_attention
 from kvwarden.layers.gemm_rows import GemmRowSizes
-from kvwarden.layers.kernels.attention_meta import UNIFORM_TILES, QueryTiles
+from kvwarden.layers.kernels.attention_meta import QueryTiles
 from kvwarden.layers.pointwise_split import pointwise_length
 from kvwarden.layers.rotary import RotaryEmbedding
 
@@ -216,7 +216,7 @@ class Ops:
         block_ids: list[list[int]],
         null_slot: int,
         block_size: int,
-        tiles: QueryTiles = UNIFORM_TILES,
+        tiles: QueryTiles,
     ) -> AttentionPlan:
         """Everything the attention layers need for one step, built once per step: each request's share
         (``seqs``, with its slot table), its block table (``block_ids``, positions ``block_size`` to a block),
@@ -253,7 +253,7 @@ class CanonicalOps(Ops):
         block_ids: list[list[int]],
         null_slot: int,
         block_size: int,
-        tiles: QueryTiles = UNIFORM_TILES,
+        tiles: QueryTiles,
     ) -> AttentionPlan:
         return build_tile_plan(seqs, num_rows, self.config.key_tile, null_slot)
 

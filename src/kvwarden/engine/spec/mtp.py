@@ -164,10 +164,11 @@ class MtpProposer:
         if not entries:
             return None
         hidden = step.hidden[torch.tensor(rows, dtype=torch.long, device=step.hidden.device)]
-        return self._run(entries, hidden), last_row
+        return self._run(entries, hidden, fill=True), last_row
 
-    def _run(self, entries: list[BatchEntry], hidden: torch.Tensor) -> torch.Tensor:
-        batch = self.target.runner.make_batch(entries, with_states=False)
+    def _run(self, entries: list[BatchEntry], hidden: torch.Tensor, fill: bool = False) -> torch.Tensor:
+        # the fill in the prefill tiles, as the drafting graph's first round (mtp_graphs.py) runs it
+        batch = self.target.runner.make_batch(entries, with_states=False, prefill_tiles=fill)
         batch.states = None  # the head has no recurrent layer
         batch.tracer = None
         return self.head.forward(batch, hidden, self.kv_caches)

@@ -4,13 +4,14 @@ NOTE(invariance), by construction - a query row at absolute position ``p``
 computes the same bits whatever else is in the launch and however its prompt
 was chunked:
 
-* Query tiles are aligned to absolute positions: tile ``p // BLOCK_Q``, slot
-  ``p % BLOCK_Q``. The ``REP`` query heads sharing a KV head are rows of the
+* Query tiles are aligned to absolute positions: of ``B`` positions each (the
+  meta's ``block_q``), tile ``p // B``, slot ``p % B``. The ``REP`` query heads sharing a KV head are rows of the
   same tile (GQA without copying K/V), each position's group padded to ``RP``
   rows (``REP`` rounded up to a power of two: Triton's tiles are powers of two,
   and GQA ratios of 3, 5, 6 or 7 are common); padding rows are masked queries,
-  exact no-ops like rows past a request's end. A decode step of position ``p``
-  lands in the same slot of the same-shaped tile as the prefill of ``p`` would.
+  exact no-ops like rows past a request's end. With one tile size for every
+  step (``BLOCK_Q``), a decode step of position ``p`` lands in the same slot of
+  the same-shaped tile as the prefill of ``p`` would (split tile sizes: below).
 * Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0 (a constant
   of the model's head shape, :func:`key_tile`), and
   grouped into splits of ``SPLIT`` keys at fixed absolute boundaries
@@ -52,7 +53,7 @@ import triton
 import triton.language as tl
 
 from kvwarden.intmath import cdiv
-from kvwarden.layers.kernels.attention_meta import BLOCK_Q, UNIFORM_TILES, AttentionMeta, QueryTiles
+from kvwarden.layers.kernels.attention_meta import BLOCK_Q, AttentionMeta, QueryTiles
 
 __all__ = ["BLOCK_Q", "AttentionMeta", "key_tile", "paged_attention", "precompile", "split_in_parallel"]
 
@@ -336,7 +337,7 @@ def paged_attention(
 
 
 def precompile(
-    hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, tiles: QueryTiles = UNIFORM_TILES
+    hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, tiles: QueryTiles
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compile both forms of the kernel, in the prefill tiles of ``tiles``, before the first request needs them.
 

@@ -24,8 +24,9 @@ PREFILL_KEYS = 32  # keys per tile where the tiles are split (decode and prefill
 class QueryTiles:
     """The query tiles of a model's attention launches: positions per tile and warps per program.
 
-    A step whose every request decodes one position (no draft, no prompt) runs ``decode``-position
-    tiles; every other step (prefill chunks, verify steps, mixed steps) ``prefill``-position tiles.
+    A step whose every request computes one position (a decode, or a prompt chunk of one token) runs
+    ``decode``-position tiles; every other step (prefill chunks, verify steps, mixed steps)
+    ``prefill``-position tiles.
 
     NOTE(invariance): a row's bits must not depend on which of the two its step ran, so two different
     tile shapes are used only where :func:`query_tiles` says the GPU computes a row alike in both
@@ -38,6 +39,16 @@ class QueryTiles:
     decode_warps: int = WARPS
     prefill_warps: int = WARPS
     block_n: int = 0  # keys per tile for every step; 0: the head shape's (kernels/attention.key_tile)
+
+    def __post_init__(self) -> None:
+        for name in ("decode", "prefill", "decode_warps", "prefill_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"QueryTiles.{name} must be a power of two, got {value}")
+        if self.prefill < BLOCK_Q:  # a graph's rows of one request (up to 16) must fit two prefill tiles
+            raise ValueError(f"QueryTiles.prefill must be at least {BLOCK_Q} positions, got {self.prefill}")
+        if self.block_n and (self.block_n & (self.block_n - 1) or self.block_n > 128):
+            raise ValueError(f"QueryTiles.block_n must be 0 or a power of two up to 128, got {self.block_n}")
 
     def for_step(self, decode_only: bool) -> tuple[int, int]:
         """``(positions per tile, warps)`` of a step: all single-position decodes, or anything else."""
@@ -83,6 +94,7 @@ def query_tiles(
     changed 94 of 95 rows there). Both keep the one tile.
     """
     rep = num_heads // num_kv_heads
+    rp = 1 << max(0, rep - 1).bit_length()  # the group padded to a power of two, as the kernel pads it
     if capability not in verified or dtype not in (torch.bfloat16, torch.float16):
         return UNIFORM_TILES
     if rep != SPLIT_GROUP or head_dim > SPLIT_MAX_HEAD:
@@ -90,7 +102,7 @@ def query_tiles(
     # 64 positions x the group of 2: 128 rows. Keys 32 a tile: a one-warp decode tile walks 16K keys in
     # 57 us against 54 at 64, 256 requests over 640 keys in 247 against 270, and the 64-position
     # prefill tile a 2,048-token chunk in 123 us against 132 (H100, GQA 2, head 128).
-    return QueryTiles(1, PREFILL_ROWS // rep, decode_warps=DECODE_WARPS, prefill_warps=PREFILL_WARPS,
+    return QueryTiles(1, max(BLOCK_Q, PREFILL_ROWS // rp), decode_warps=DECODE_WARPS, prefill_warps=PREFILL_WARPS,
                       block_n=PREFILL_KEYS)  # fmt: skip
 
 
