@@ -211,9 +211,7 @@ class GraphBatch:
                 tile_seq=self.arange[:size],
                 tile_pos0=self.ints[2, :size],
                 max_keys=bound,
-                block_q=self.query_tiles.decode,
-                warps=self.query_tiles.decode_warps,
-                block_n=self.query_tiles.block_n,
+                **self.query_tiles.meta_fields(decode_only=True),
             )
         else:
             fixed = self.fixed(size, q)
@@ -225,9 +223,7 @@ class GraphBatch:
                 tile_seq=self.tile_buf[0, : 2 * size],
                 tile_pos0=self.tile_buf[1, : 2 * size],
                 max_keys=bound,
-                block_q=self.query_tiles.prefill,
-                warps=self.query_tiles.prefill_warps,
-                block_n=self.query_tiles.block_n,
+                **self.query_tiles.meta_fields(decode_only=False),
             )
         recurrent = None
         if self.states is not None:  # boundary states are staged after the step, from the kept states

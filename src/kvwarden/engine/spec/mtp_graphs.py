@@ -187,9 +187,7 @@ class MtpGraphs:
                 tile_seq=self.tile_buf[0, : 2 * size],
                 tile_pos0=self.tile_buf[1, : 2 * size],
                 max_keys=bound,
-                block_q=self.tiles.prefill,
-                warps=self.tiles.prefill_warps,
-                block_n=self.tiles.block_n,
+                **self.tiles.meta_fields(decode_only=False),
             )
         else:
             meta = AttentionMeta(
@@ -200,9 +198,7 @@ class MtpGraphs:
                 tile_seq=self.arange[:size],
                 tile_pos0=ints[2, :size],
                 max_keys=bound,
-                block_q=self.tiles.decode,
-                warps=self.tiles.decode_warps,
-                block_n=self.tiles.block_n,
+                **self.tiles.meta_fields(decode_only=True),
             )
         return ForwardBatch(
             input_ids=ids,

@@ -349,6 +349,6 @@ def precompile(
     q = torch.ones((1, hq, d), dtype=k_cache.dtype, device=k_cache.device)
     blocks = cdiv(SPLIT + 1, block_size)
     seqs = [(0, SPLIT, 1, [0] * blocks)]  # one query in a prefill's tile
-    meta = AttentionMeta.build(seqs, k_cache.device, tiles.prefill, tiles.prefill_warps, tiles.block_n)
+    meta = AttentionMeta.build(seqs, k_cache.device, **tiles.meta_fields(decode_only=False))
     walked = paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=False)
     return walked, paged_attention(q, k_cache, v_cache, meta, block_size, 1.0, parallel_splits=True)

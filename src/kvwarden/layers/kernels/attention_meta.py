@@ -54,6 +54,11 @@ class QueryTiles:
         """``(positions per tile, warps)`` of a step: all single-position decodes, or anything else."""
         return (self.decode, self.decode_warps) if decode_only else (self.prefill, self.prefill_warps)
 
+    def meta_fields(self, decode_only: bool) -> dict[str, int]:
+        """:class:`AttentionMeta`'s ``block_q``, ``warps`` and ``block_n`` for such a step."""
+        block_q, warps = self.for_step(decode_only)
+        return dict(block_q=block_q, warps=warps, block_n=self.block_n)
+
 
 UNIFORM_TILES = QueryTiles()  # one BLOCK_Q tile on WARPS warps for every step
 # GPU architectures (compute capabilities) where the split tiles gave every row the bits of the prefill's:
@@ -177,5 +182,4 @@ class AttentionMeta:
         cls, seqs: list[tuple[int, int, int, list[int]]], device: torch.device | str, tiles: QueryTiles
     ) -> AttentionMeta:
         """:meth:`build` with the tiles ``tiles`` gives a step of these requests."""
-        block_q, warps = tiles.for_step(all(nq == 1 for _, _, nq, _ in seqs))
-        return cls.build(seqs, device, block_q, warps, tiles.block_n)
+        return cls.build(seqs, device, **tiles.meta_fields(all(nq == 1 for _, _, nq, _ in seqs)))
