@@ -78,6 +78,12 @@ def main() -> None:
     p.add_argument("--heads", default="16,8,128", help="query heads, KV heads, head size (Llama-3-8B: 32,8,128)")
     p.add_argument("--query-tiles", default=None, help="DECODE,PREFILL: query tile positions to compare (e.g. 1,64)")
     p.add_argument("--prefill-warps", type=int, default=None, help="warps of the PREFILL-tile prefill launches")
+    p.add_argument(
+        "--base-warps",
+        type=int,
+        default=None,
+        help="warps of the baseline (16-position tile) launches; default the candidate's (the engine: 4)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="q/k/v dtype")
     args = p.parse_args()
     qt = None
@@ -123,16 +129,19 @@ def main() -> None:
     print("| KV bytes at bandwidth | | " + " | ".join(f"{f:.1f}" for f in floors.values()) + " | |")
     rows = []
     for cand in cands:
+        # the baseline column: the 16-position tile, on the candidate's warps or --base-warps (one warp at
+        # 128 rows x head 256 spills and runs for minutes; the engine runs that tile on 4)
+        base = (cand[0], args.base_warps or cand[1], *cand[2:])
         try:
-            whole = paged_attention(q_pre, pk, pv, pre_meta, BLOCK, scale, tiles=cand)
-            last = paged_attention(q_pre[-1:], pk, pv, pmeta, BLOCK, scale, tiles=cand)
+            whole = paged_attention(q_pre, pk, pv, pre_meta, BLOCK, scale, tiles=base)
+            last = paged_attention(q_pre[-1:], pk, pv, pmeta, BLOCK, scale, tiles=base)
             same = torch.equal(last, whole[-1:])
-            us = {n: time_us(*c[:4], cand) for n, c in cases.items()}
-            us_pre = time_us(q_pre, pk, pv, pre_meta, cand)
+            us = {n: time_us(*c[:4], base) for n, c in cases.items()}
+            us_pre = time_us(q_pre, pk, pv, pre_meta, base)
         except Exception as exc:  # a candidate that does not fit (shared memory, registers) is reported and skipped
             print(f"| {cand} | {type(exc).__name__}: {str(exc)[:80]} |")
             continue
-        row = dict(tiles=list(cand), decode_equals_prefill=same, us=us, prefill_us=us_pre)
+        row = dict(tiles=list(cand), base_tiles=list(base), decode_equals_prefill=same, us=us, prefill_us=us_pre)
         line = f"| {cand} | {same} | " + " | ".join(f"{t:.1f}" for t in us.values()) + f" | {us_pre:.1f} |"
         if qt:
             pre_cand = (cand[0], args.prefill_warps or cand[1], *cand[2:])

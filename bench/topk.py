@@ -90,10 +90,16 @@ VARIANTS = {  # name -> topk_triton keywords (every one gives the same answer, c
     "1 prog b1024 w4": {"split": 0, "block": 1024, "num_warps": 4},
     "1 prog b1024 w2": {"split": 0, "block": 1024, "num_warps": 2},
     "1 prog b4096 w8": {"split": 0, "block": 4096, "num_warps": 8},
-    "split 2048 w4": {"split": 2048, "block": 2048, "num_warps": 4},
-    "split 4096 w8": {"split": 4096, "block": 4096, "num_warps": 8},
-    "split 8192 w8": {"split": 8192, "block": 4096, "num_warps": 8},
-    "split 16384 w8": {"split": 16384, "block": 4096, "num_warps": 8},
+    "split 2048 w4": {"split": 2048, "block": 2048, "num_warps": 4, "buckets": False},
+    "split 4096 w8": {"split": 4096, "block": 4096, "num_warps": 8, "buckets": False},
+    "split 8192 w8": {"split": 8192, "block": 4096, "num_warps": 8, "buckets": False},
+    "split 16384 w8": {"split": 16384, "block": 4096, "num_warps": 8, "buckets": False},
+    # the bucket shortcut split over a row's chunks (topk_split.py): range, buckets, sub-buckets, list, select
+    "split-b 2048 w4": {"split": 2048, "block": 2048, "num_warps": 4, "buckets": True},
+    "split-b 4096 w4": {"split": 4096, "block": 4096, "num_warps": 4, "buckets": True},
+    "split-b 4096 w8": {"split": 4096, "block": 4096, "num_warps": 8, "buckets": True},
+    "split-b 8192 w8": {"split": 8192, "block": 4096, "num_warps": 8, "buckets": True},
+    "split-b 16384 w8": {"split": 16384, "block": 4096, "num_warps": 8, "buckets": True},
 }
 
 
@@ -182,7 +188,7 @@ def main() -> None:
     if args.quick:
         args.keys, args.rows, args.k, args.repeats = [4096], [1, 16], 256, 1
         args.prompt_len, args.decode_tokens = 128, 8
-    console = Console(width=250)  # the device-time table is wide: never cut its figures
+    console = Console(width=400)  # the device-time table is wide: never cut its figures
     sel = selection_rows(args, args.device)
     table = Table(title=f"Key selection on {args.device}: best of {args.repeats} (ms)", title_justify="left")
     cols = ["keys", "rows", "k", "torch.topk", "deterministic", "vs topk", "arrival (bf16)", "ties f32", "ties bf16"]

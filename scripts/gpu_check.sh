@@ -163,7 +163,7 @@ if want qtiles; then  # #29 item 2: may decode tiles of one position share the b
     IFS=: read -r H QT DT <<< "$SPEC"
     L="qtiles-${H//,/-}-${DT:-bfloat16}"
     timeout "${QTILES_TIMEOUT:-100}" python3 bench/attention_tiles.py --heads "$H" --query-tiles "$QT" --dtype "${DT:-bfloat16}" \
-      ${QTILES_CANDIDATES:---candidate 32,1,2 --candidate 64,1,2} --prefill-warps 8 2>&1 | tee "$OUT/$L.log" | grep -v '^{' | tail -n 5
+      ${QTILES_CANDIDATES:---candidate 32,1,2 --candidate 64,1,2} --prefill-warps 8 --base-warps "${QTILES_BASE_WARPS:-4}" 2>&1 | tee "$OUT/$L.log" | grep -v '^{' | tail -n 5
     record "$L $QT: (tiles, dec=pre rows, pre=16-tile pre, dec us, pre us)" "$(python3 -c "import json; d=json.loads(open('$OUT/$L.log').read().splitlines()[-1]); print([(r['tiles'][0], '%s/%s' % (r['query_tiles']['positions'] - r['query_tiles']['decode_rows_differ'], r['query_tiles']['positions']), r['query_tiles']['prefill_equals_default'], [round(v) for v in r['query_tiles']['us'].values()], round(r['query_tiles']['prefill_us']), [round(v) for v in r['us'].values()], round(r['prefill_us'])) for r in d['rows'] if 'positions' in r.get('query_tiles', {})])" 2>&1 | tail -n 1)"
   done
 fi

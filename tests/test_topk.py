@@ -56,8 +56,9 @@ def test_split_rows_equal_one_program_per_row() -> None:
         s = scores(n, 3, n, dtype, levels)
         want = topk_reference(s, k)
         shapes = ({"split": 0}, {"split": 1024, "block": 512}, {"split": 2048, "block": 1024, "masked": True})
+        shapes += ({"split": 1024, "block": 512, "buckets": True}, {"split": 1024, "block": 512, "buckets": False})
         # chunks of 256: 12-20 splits a row, each split program re-deriving the prefix from all of them
-        for shape in (*shapes, {"split": 256, "block": 256}):
+        for shape in (*shapes, {"split": 256, "block": 256}, {"split": 256, "block": 256, "buckets": True}):
             got = topk_triton(s, k, **shape)
             assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu()), shape
 
@@ -67,6 +68,7 @@ SHAPES = [  # the kernel's shapes (bench/topk.py --variants times them): every o
     {"radix": 11, "block": 1024, "masked": True, "split": 0},
     {"radix": 8, "block": 1024, "masked": False, "split": 2048},
     {"radix": 8, "block": 2048, "masked": False, "split": 0, "buckets": False},
+    {"radix": 8, "block": 1024, "masked": False, "split": 2048, "buckets": True},
 ]
 
 
@@ -176,9 +178,39 @@ def test_the_bucket_shortcut_and_the_whole_row_passes_agree_on_every_branch() ->
         assert kernel_path(row, k) == path, name
     s = torch.stack([r for r, _ in rows.values()]).to(DEVICE)
     want = topk_reference(s, k)
-    for shortcut in (True, False):
-        got = topk_triton(s, k, buckets=shortcut, block=2048)
-        assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu()), shortcut
+    # one program a row with and without the shortcut, and the shortcut split over chunks of 1,024 columns:
+    # every chunk derives the same range, buckets and sub-buckets from the chunks' exact counts (the row's
+    # path above is the split form's too: its range is the minimum and maximum of its chunks')
+    for shape in ({"buckets": True, "split": 0}, {"buckets": False, "split": 0}, {"buckets": True, "split": 1024}):
+        got = topk_triton(s, k, block=1024, **shape)
+        for i, name in enumerate(rows):
+            assert torch.equal(got[1][i].cpu(), want[1][i].cpu()), (shape, name)
+            assert torch.equal(got[0][i].cpu(), want[0][i].cpu()), (shape, name)
+
+
+def test_split_buckets_place_each_chunks_share_from_the_counts_before_it() -> None:
+    # the split shortcut's offsets: a list gathered over chunks holding none, some or many of its columns; and
+    # rows whose threshold is -inf (fewer than k finite scores) compacted chunk by chunk, the -inf fill taken
+    # from the lowest columns, inside one chunk or across two
+    g = torch.Generator().manual_seed(5)
+    n = 3000
+    spread = torch.full((n,), -5.0) - torch.rand(n, generator=g)  # the 40 best: 25 in chunk 1, 15 in chunk 5
+    spread[torch.randperm(512, generator=g)[:25] + 512] = torch.rand(25, generator=g) + 2.0
+    spread[torch.randperm(440, generator=g)[:15] + 2560] = torch.rand(15, generator=g) + 2.0
+    few = torch.full((n,), float("-inf"))
+    few[500:530] = torch.randn(30, generator=g)  # 30 finite in chunks 0 and 1: the fill is columns 0-9
+    across = torch.full((n,), float("-inf"))  # 230 finite in chunk 0 and 40 in chunk 5 (k = 300, chunks of 256):
+    across[:230] = torch.randn(230, generator=g)  # the fill is 26 columns of chunk 0 and 4 of chunk 1
+    across[1300:1340] = torch.randn(40, generator=g)
+    for rows, k, chunk in (((spread, few), 40, 512), ((across,), 300, 256)):
+        s = torch.stack(rows).to(DEVICE)
+        want = topk_reference(s, k)
+        got = topk_triton(s, k, split=chunk, block=256, buckets=True)
+        for i in range(s.shape[0]):
+            assert torch.equal(got[1][i].cpu(), want[1][i].cpu()), (k, i)
+            assert torch.equal(got[0][i].cpu(), want[0][i].cpu()), (k, i)
+    assert got[1][0].tolist() == list(range(230)) + list(range(230, 260)) + list(range(1300, 1340))
+    assert torch.isinf(got[0][0, 230:260]).all()
 
 
 def test_signed_zeros_and_infinities_keep_the_order() -> None:

@@ -80,12 +80,12 @@ from kvwarden.layers.kernels.topk_radix import (
     _bucket_count,
     _choose,
     _compact,
-    _count,
     _gather,
     _passes,
     _range,
     _unsigned_key,
 )
+from kvwarden.layers.kernels.topk_split import split_buckets, split_radix
 from kvwarden.layers.sparse_attention import column_order
 
 # The kernel's shape (bench/topk.py --variants, device time; any shape gives the same answer). On the H200
@@ -106,6 +106,7 @@ SPLIT_FROM, SPLIT_PROGRAMS = 8192, 512  # rows of at least SPLIT_FROM keys, rows
 SPLIT_SHAPES = ((16384, 2048, 4), (None, 4096, 8))  # (up to this many keys, chunk = block, warps)
 SPLIT_BLOCK = 4096  # the split form's largest block (a chunk is walked in blocks of min(chunk, this))
 BUCKETS = True  # one program per row: the bucket shortcut to the threshold (see the docstring)
+SPLIT_BUCKETS = False  # the split form: the shortcut over a row's chunks (topk_split.py) or the radix passes
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride", "cap"])
@@ -149,7 +150,7 @@ def _radix_select_kernel(s_ptr, idx_ptr, val_ptr, cols_ptr, n, k, stride, cap, B
                         m = tl.sum(tl.where(tl.arange(0, 256) == b2, hist, 0), axis=0)
                         above = k - need2
                 if above + m <= cap:
-                    listed = _gather(base, n, lo, scale, b1, lo2, scale2, b2, cols, BLOCK)
+                    listed = _gather(base, 0, n, lo, scale, b1, lo2, scale2, b2, cols, 0, BLOCK)
                     tl.debug_barrier()  # the list, stored by some threads, is read by others
                     prefix, need = _passes(base, cols, listed, k, BLOCK, RADIX, MASKED, True)
                     mode = 2
@@ -163,58 +164,6 @@ def _radix_select_kernel(s_ptr, idx_ptr, val_ptr, cols_ptr, n, k, stride, cap, B
         _compact(base, cols, idx_ptr + out, val_ptr + out, 0, n, threshold, need, zero, zero, BLOCK, False)
 
 
-@triton.jit
-def _replay(hist_row, S, split, k, PASSES: tl.constexpr):
-    """The prefix and ``need`` after ``PASSES`` 8-bit passes, summed from the per-split histograms
-    ``hist_row [4, S, 256]`` in split order; also, for the splits before ``split``, how many of their
-    keys lie above the prefix so far and (after the last pass) equal it."""
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], dtype=tl.int32)
-    need = k
-    above_before = 0
-    equal_before = 0
-    for p in tl.static_range(PASSES):
-        total = tl.zeros([256], dtype=tl.int32)
-        before = tl.zeros([256], dtype=tl.int32)
-        for s in range(S):
-            h = tl.load(hist_row + (p * S + s) * 256 + bins)
-            total += h
-            before += tl.where(s < split, h, 0)
-        prefix, need, b = _choose(total, prefix, need, 8)
-        above_before += tl.sum(tl.where(bins > b, before, 0), axis=0)
-        equal_before = tl.sum(tl.where(bins == b, before, 0), axis=0)
-    return prefix, need, above_before, equal_before
-
-
-@triton.jit(do_not_specialize=["n", "k", "stride", "S"])
-def _split_count_kernel(s_ptr, hist_ptr, n, k, stride, S, PASS: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """Pass ``PASS`` for one chunk of a row: its histogram of the next 8 bits under the prefix so far."""
-    row, split = tl.program_id(0), tl.program_id(1)
-    base = s_ptr + row.to(tl.int64) * stride
-    hist_row = hist_ptr + row.to(tl.int64) * 4 * S * 256
-    prefix, _, _, _ = _replay(hist_row, S, split, k, PASS)
-    lo = split * CHUNK
-    hist = _count(base, base, lo, tl.minimum(lo + CHUNK, n), prefix, 24 - 8 * PASS, 8, BLOCK, MASKED, False)
-    tl.store(hist_row + (PASS * S + split) * 256 + tl.arange(0, 256), hist)
-
-
-@triton.jit(do_not_specialize=["n", "k", "stride", "S"])
-def _split_compact_kernel(s_ptr, hist_ptr, idx_ptr, val_ptr, n, k, stride, S, CHUNK: tl.constexpr,
-                          BLOCK: tl.constexpr):  # fmt: skip
-    """The compaction of one chunk of a row, from the slot its earlier chunks' exact counts name."""
-    row, split = tl.program_id(0), tl.program_id(1)
-    base = s_ptr + row.to(tl.int64) * stride
-    hist_row = hist_ptr + row.to(tl.int64) * 4 * S * 256
-    prefix, need, above_before, equal_before = _replay(hist_row, S, split, k, 4)
-    threshold = ~(prefix ^ 0x7FFFFFFF)
-    written = above_before + tl.minimum(equal_before, need)  # equal keys go to the lowest columns first
-    out = row.to(tl.int64) * k
-    lo = split * CHUNK
-    _compact(base, base, idx_ptr + out, val_ptr + out, lo, tl.minimum(lo + CHUNK, n), threshold, need,
-             equal_before, written, BLOCK, False)  # fmt: skip
-
-
 def topk_triton(
     scores: torch.Tensor,
     k: int,
@@ -224,15 +173,16 @@ def topk_triton(
     num_warps: int | None = None,
     masked: bool = MASKED,
     split: int | None = None,
-    buckets: bool = BUCKETS,
+    buckets: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``scores [rows, n]``: the ``k`` best (values as float32, column indices as int64), in
     column order.
 
     ``radix``, ``block``, ``num_warps``, ``masked`` (the histogram's mask argument, or non-matching keys
     counted into bin 0 and taken back out), ``split`` (columns per program when several share a row; 0:
-    one program per row; None: by the shape, ``split_chunk``), ``buckets`` (one program per row: the
-    bucket shortcut to the threshold): the kernel's shape - any gives the same
+    one program per row; None: by the shape, ``split_chunk``), ``buckets`` (the bucket shortcut to the
+    threshold, in one program per row or split over a row's chunks; None: ``BUCKETS`` / ``SPLIT_BUCKETS``):
+    the kernel's shape - any gives the same
     answer (``bench/topk.py --variants`` times them). Split launches use 8-bit digits."""
     rows, n = _check(scores, k)
     if radix not in (8, 11):
@@ -250,22 +200,13 @@ def topk_triton(
         block = min(block or SPLIT_BLOCK, split)
         if split % block:
             raise ValueError(f"top-k: split ({split}) must be a multiple of block ({block})")
-        s = triton.cdiv(n, split)
-        hist = torch.empty(rows, 4, s, 256, dtype=torch.int32, device=scores.device)
-        warps = num_warps or _split_shape(n)[1]
-        for p in range(4):
-            _split_count_kernel[(rows, s)](
-                scores, hist, n, k, scores.stride(0), s, PASS=p, CHUNK=split, BLOCK=block, MASKED=masked,
-                num_warps=warps,
-            )  # fmt: skip
-        _split_compact_kernel[(rows, s)](
-            scores, hist, idx, val, n, k, scores.stride(0), s, CHUNK=split, BLOCK=block, num_warps=warps
-        )
+        form = split_buckets if (SPLIT_BUCKETS if buckets is None else buckets) else split_radix
+        form(scores, k, idx, val, split, block, num_warps or _split_shape(n)[1], masked)
         return val, idx
     block = block or BLOCK
     num_warps = num_warps or WARPS
     # the bucket shortcut lists at most 2k columns a row; a row that short is cheaper through the passes
-    cap = 2 * k if buckets and n > 2 * k else 0
+    cap = 2 * k if (BUCKETS if buckets is None else buckets) and n > 2 * k else 0
     cols = torch.empty(rows if cap else 1, max(cap, 1), dtype=torch.int32, device=scores.device)
     _radix_select_kernel[(rows,)](
         scores, idx, val, cols, n, k, scores.stride(0), cap, BLOCK=block, RADIX=radix, MASKED=masked,

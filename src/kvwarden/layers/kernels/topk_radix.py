@@ -158,13 +158,13 @@ def _bucket_count(base, n, lo, scale, outer, lo2, scale2, SUB: tl.constexpr, BLO
 
 
 @triton.jit
-def _gather(base, n, lo, scale, b1, lo2, scale2, b2, out, BLOCK: tl.constexpr):
-    """List at ``out``, in column order, the columns whose (bucket, sub-bucket) is at least ``(b1, b2)``;
-    returns their count (the caller checked they fit)."""
-    written = 0
-    for j0 in range(0, n, BLOCK):
+def _gather(base, start, end, lo, scale, b1, lo2, scale2, b2, out, written, BLOCK: tl.constexpr):
+    """List at ``out``, in column order from entry ``written`` on, the columns in ``[start, end)`` whose
+    (bucket, sub-bucket) is at least ``(b1, b2)``; returns ``written`` plus their count (the caller checked
+    they fit)."""
+    for j0 in range(start, end, BLOCK):
         offs = j0 + tl.arange(0, BLOCK)
-        valid = offs < n
+        valid = offs < end
         s = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
         outer = _bucket(s, lo, scale)
         hit = valid & ((outer > b1) | ((outer == b1) & (_bucket(s, lo2, scale2) >= b2)))
