@@ -265,7 +265,8 @@ class ModelRunner:
         chunk, the rows after which the batched kernels keep its recurrent state (the return after a
         rejected draft). ``null_slot``: the all-zero slot of the caches the step reads when they are not
         the pool's (layer split's view buffers). ``prefill_tiles``: attention in the model's prefill tiles
-        even where every entry has one row (the MTP head's fill, which its drafting graph runs so)."""
+        even where every entry has one row (the MTP head's fill, which its drafting graph runs so; a
+        context-parallel rank's share of a step that has longer entries)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[torch.Tensor] = []
@@ -287,7 +288,7 @@ class ModelRunner:
             slices.append(SeqSlice(e.request_id, row0, len(e.token_ids), e.start))
         null = self.null_slot if null_slot is None else null_slot
         tiles = self.query_tiles
-        if prefill_tiles:  # NOTE(invariance): the tiles the drafting graph's first round builds
+        if prefill_tiles:  # NOTE(invariance): the tiles the drafting graph's first round (or the whole step) builds
             tiles = replace(tiles, decode=tiles.prefill, decode_warps=tiles.prefill_warps)
         plan = self.ops.attention_plan(seqs, len(ids), block_ids, null, self.block_size, tiles)
         dev = self.device

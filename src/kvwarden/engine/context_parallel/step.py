@@ -30,9 +30,12 @@ def forward_share(
     shares = shares_of(entries, group.world, split)
     counts = [num_rows(s) for s in shares]
     own = shares[group.rank]
+    # NOTE(invariance): attention's query tiles are the step's choice, never a share's: a rank whose share
+    # holds only one-row entries of a step with longer ones runs the prefill tiles, as one GPU would
+    prefill = any(len(e.token_ids) > 1 for e in entries)
     if layers is None:
         slots = [runner.slot_rows(share).to(runner.device) for share in shares]
-        batch = runner.make_batch(own, with_states=False)
+        batch = runner.make_batch(own, with_states=False, prefill_tiles=prefill)
         batch.kv_exchange = KVExchange(group, slots)
         return runner.model.forward(batch, runner.kv_caches), counts
     view = StepView.of(entries, runner.block_size)
@@ -41,7 +44,7 @@ def forward_share(
     pool_slots = runner.slot_rows(entries).to(runner.device)
     exchange = SplitExchange(layers, group, view_slots, pool_slots)
     if own:
-        batch = runner.make_batch(view.remap(own), with_states=False, null_slot=layers.null_slot)
+        batch = runner.make_batch(view.remap(own), with_states=False, null_slot=layers.null_slot, prefill_tiles=prefill)
         batch.kv_exchange = exchange
         hidden = runner.model.forward(batch, layers)  # type: ignore[arg-type]  # indexed like PagedKV
     else:
