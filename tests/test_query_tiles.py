@@ -173,3 +173,47 @@ def test_the_model_runner_hands_its_tiles_to_every_plan_and_to_its_graphs(
     assert (meta.block_q, meta.warps, meta.block_n) == (64, 8, 32)
     meta = runner.make_batch([*decodes, BatchEntry("c", [1, 2, 3], 0, blocks)]).plan.meta
     assert (meta.block_q, meta.warps, meta.block_n) == (64, 8, 32)
+
+
+def test_the_mtp_drafting_graph_builds_the_tiles_its_eager_drafting_builds(
+    qwen3_next_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MTP head's drafting graph (emulated: its static buffers, staged as on a GPU) with the split tiles:
+    round 0, each request's kept rows, in the prefill tiles the eager fill builds (``prefill_tiles``); the
+    next round, one row a request, in the decode tiles an eager step of single rows builds. Plans only, as
+    above; the two tile sizes differ here, so staging either round in the other's tiles fails."""
+    from kvwarden import LLM
+    from kvwarden.engine import model_runner
+    from kvwarden.engine.model_runner import BatchEntry
+
+    monkeypatch.setattr(model_runner, "query_tiles", lambda *_: SPLIT_TILES)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(str(qwen3_next_tiny), device="cpu", kernels="triton", cuda_graphs="emulate", num_blocks=64,
+              block_size=16, max_num_seqs=4, speculative_config=spec)  # fmt: skip
+    runner, graphs = llm.engine.runner, llm.engine.speculator.proposer.graphs
+    assert graphs is not None and graphs.tiles == SPLIT_TILES
+    gen = torch.Generator().manual_seed(5)
+    lengths, starts = [66, 130, 5], [63, 126, 2]  # kept rows 63-64 (across a 64-position tile), 126-128, 2-3
+    reqs = [
+        Request(request_id=f"r{i}", all_token_ids=torch.randint(0, 100, (n,), generator=gen).tolist())
+        for i, n in enumerate(lengths)
+    ]
+    blocks = {r.request_id: list(range(10 * i, 10 * i + 9)) for i, r in enumerate(reqs)}
+    chunks = [ScheduledChunk(r, p, r.num_tokens - p) for r, p in zip(reqs, starts, strict=True)]
+    size = graphs.target.size_for(len(chunks))
+    graphs._stage(chunks, [2, 2, 2], size, blocks.__getitem__)
+
+    fill = graphs._batch(size, 0, graphs.longs[0, : size * graphs.q]).plan.meta
+    entries = [
+        BatchEntry(r.request_id, r.all_token_ids[p + 1 :], p, blocks[r.request_id])
+        for r, p in zip(reqs, starts, strict=True)
+    ]
+    want = runner.make_batch(entries, with_states=False, prefill_tiles=True).plan.meta
+    assert (fill.block_q, fill.warps, fill.block_n) == (want.block_q, want.warps, want.block_n) == (64, 8, 32)
+    assert _tile_set(fill, len(reqs)) == _tile_set(want, len(reqs)) == {(0, 0), (0, 64), (1, 64), (1, 128), (2, 0)}
+
+    round1 = graphs._batch(size, 1, torch.zeros(size, dtype=torch.long)).plan.meta
+    singles = [BatchEntry(r.request_id, [0], r.num_tokens - 1, blocks[r.request_id]) for r in reqs]
+    want = runner.make_batch(singles, with_states=False).plan.meta
+    assert (round1.block_q, round1.warps, round1.block_n) == (want.block_q, want.warps, want.block_n) == (1, 1, 32)
+    assert _tile_set(round1, len(reqs)) == _tile_set(want, len(reqs)) == {(i, n - 1) for i, n in enumerate(lengths)}
