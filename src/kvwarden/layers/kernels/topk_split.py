@@ -117,6 +117,20 @@ def _row_scale(rng_row, S, SP: tl.constexpr):
 
 
 @triton.jit
+def _sum_chunks(h_row, S, split):
+    """A row's histogram summed over its ``S`` chunks in split order, and the part of it that the chunks
+    before ``split`` hold (integer sums: exact in any order)."""
+    bins = tl.arange(0, 256)
+    total = tl.zeros([256], dtype=tl.int32)
+    before = tl.zeros([256], dtype=tl.int32)
+    for s in range(S):
+        h = tl.load(h_row + s * 256 + bins)
+        total += h
+        before += tl.where(s < split, h, 0)
+    return total, before
+
+
+@triton.jit
 def _plan(h1_row, h2_row, S, split, k, cap, lo, hi, scale, SUB: tl.constexpr):
     """A row's choices from its chunks' bucket histograms ``h1_row [S, 256]`` (and, with ``SUB``, the
     sub-bucket histograms ``h2_row`` of a crowded bucket), summed in split order: the threshold's bucket
@@ -124,12 +138,7 @@ def _plan(h1_row, h2_row, S, split, k, cap, lo, hi, scale, SUB: tl.constexpr):
     holds, how many of them lie in the chunks before ``split``, whether ``b1`` is crowded, and how many
     ``-inf`` scores the chunks before ``split`` hold."""
     bins = tl.arange(0, 256)
-    total = tl.zeros([256], dtype=tl.int32)
-    before = tl.zeros([256], dtype=tl.int32)
-    for s in range(S):
-        h = tl.load(h1_row + s * 256 + bins)
-        total += h
-        before += tl.where(s < split, h, 0)
+    total, before = _sum_chunks(h1_row, S, split)
     _, need1, b1 = _choose(total, tl.zeros([], dtype=tl.int32), k, 8)
     m = tl.sum(tl.where(bins == b1, total, 0), axis=0)
     above = k - need1  # scores in the buckets above b1
@@ -146,12 +155,7 @@ def _plan(h1_row, h2_row, S, split, k, cap, lo, hi, scale, SUB: tl.constexpr):
         scale2 = tl.where(width2 > 0.0, 255.0 / tl.where(width2 > 0.0, width2, 1.0), 0.0)
         if SUB:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton has no `and` of the two)
             if scale2 < 3.0e38:
-                total2 = tl.zeros([256], dtype=tl.int32)
-                before2 = tl.zeros([256], dtype=tl.int32)
-                for s in range(S):
-                    h = tl.load(h2_row + s * 256 + bins)
-                    total2 += h
-                    before2 += tl.where(s < split, h, 0)
+                total2, before2 = _sum_chunks(h2_row, S, split)
                 _, need2, b2 = _choose(total2, tl.zeros([], dtype=tl.int32), need1, 8)
                 listed = k - need2 + tl.sum(tl.where(bins == b2, total2, 0), axis=0)
                 at = tl.sum(tl.where(bins > b1, before, 0), axis=0) + tl.sum(tl.where(bins >= b2, before2, 0), axis=0)
