@@ -213,6 +213,25 @@ def test_split_buckets_place_each_chunks_share_from_the_counts_before_it() -> No
     assert torch.isinf(got[0][0, 230:260]).all()
 
 
+def test_the_shape_picks_a_form_and_each_default_form_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the automatic choice (split=None): the radix split for few rows, the bucket split for long rows the radix
+    # split leaves to one program, one program otherwise; thresholds lowered so each runs at an interpreter size
+    from kvwarden.layers.kernels import topk
+
+    assert topk.split_plan(1, 65536) == (4096, False) and topk.split_plan(64, 65536) == (16384, True)
+    assert topk.split_plan(256, 65536) == (0, topk.BUCKETS) and topk.split_plan(64, 4096) == (0, topk.BUCKETS)
+    monkeypatch.setattr(topk, "SPLIT_SHAPES", ((None, 1024, 4),))
+    monkeypatch.setattr(topk, "SPLIT_FROM", 2048)
+    monkeypatch.setattr(topk, "SPLIT_PROGRAMS", 8)
+    monkeypatch.setattr(topk, "BUCKET_SPLIT_FROM", 3000)
+    monkeypatch.setattr(topk, "BUCKET_SPLIT_SHAPE", (2048, 4))
+    for rows, n, plan in ((2, 3072, (1024, False)), (4, 3072, (2048, True)), (3, 5000, (0, topk.BUCKETS))):
+        assert topk.split_plan(rows, n) == plan
+        s = scores(rows + n, rows, n, torch.bfloat16, 9)
+        want, got = topk_reference(s, 200), topk_triton(s, 200)
+        assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu()), plan
+
+
 def test_signed_zeros_and_infinities_keep_the_order() -> None:
     # -0.0 and 0.0 are one score (ties by column); -inf ranks last, +inf first
     s = torch.tensor([[0.0, -0.0, 1.0, float("-inf"), -0.0, float("inf"), -1.0, 0.0]], device=DEVICE)

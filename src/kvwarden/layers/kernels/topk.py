@@ -99,6 +99,11 @@ from kvwarden.layers.sparse_attention import column_order
 # SPLIT_PROGRAMS programs (each re-reads the earlier passes' histograms of all its row's chunks: 64 rows of
 # 64K keys take 0.17-0.20 ms either way). The split costs 5 launches (about 0.1 ms of host time eagerly):
 # decode, where rows are few, replays its steps from CUDA graphs, where only device time counts.
+# Rows the radix split leaves to one program (too many chunks) take the bucket shortcut split over
+# chunks of 16,384 (topk_split.py) from BUCKET_SPLIT_FROM keys on, while that makes at most SPLIT_PROGRAMS
+# programs. H100, 2026-12-07, device time: 64 rows of 64K keys 0.113 ms (one program a row 0.181,
+# torch.topk 0.143), 128 rows 0.170 (0.195, 0.205); at 32K keys it lost to one program a row (128 rows:
+# 0.112 against 0.096), and for 1-16 rows the radix split stays ahead (0.04-0.06 against 0.07-0.09).
 BLOCK, WARPS = 2048, 8
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
@@ -106,7 +111,8 @@ SPLIT_FROM, SPLIT_PROGRAMS = 8192, 512  # rows of at least SPLIT_FROM keys, rows
 SPLIT_SHAPES = ((16384, 2048, 4), (None, 4096, 8))  # (up to this many keys, chunk = block, warps)
 SPLIT_BLOCK = 4096  # the split form's largest block (a chunk is walked in blocks of min(chunk, this))
 BUCKETS = True  # one program per row: the bucket shortcut to the threshold (see the docstring)
-SPLIT_BUCKETS = False  # the split form: the shortcut over a row's chunks (topk_split.py) or the radix passes
+SPLIT_BUCKETS = False  # an explicit ``split`` with ``buckets=None``: the radix passes over a row's chunks
+BUCKET_SPLIT_FROM, BUCKET_SPLIT_SHAPE = 65536, (16384, 8)  # the bucket split's rows and (chunk, warps)
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride", "cap"])
@@ -150,7 +156,9 @@ def _radix_select_kernel(s_ptr, idx_ptr, val_ptr, cols_ptr, n, k, stride, cap, B
                         m = tl.sum(tl.where(tl.arange(0, 256) == b2, hist, 0), axis=0)
                         above = k - need2
                 if above + m <= cap:
-                    listed = _gather(base, 0, n, lo, scale, b1, lo2, scale2, b2, cols, 0, BLOCK)
+                    listed = _gather(
+                        base, 0, n, lo, scale, b1, lo2, scale2, b2, cols, tl.zeros([], dtype=tl.int32), BLOCK
+                    )
                     tl.debug_barrier()  # the list, stored by some threads, is read by others
                     prefix, need = _passes(base, cols, listed, k, BLOCK, RADIX, MASKED, True)
                     mode = 2
@@ -180,7 +188,7 @@ def topk_triton(
 
     ``radix``, ``block``, ``num_warps``, ``masked`` (the histogram's mask argument, or non-matching keys
     counted into bin 0 and taken back out), ``split`` (columns per program when several share a row; 0:
-    one program per row; None: by the shape, ``split_chunk``), ``buckets`` (the bucket shortcut to the
+    one program per row; None: by the shape, ``split_plan``), ``buckets`` (the bucket shortcut to the
     threshold, in one program per row or split over a row's chunks; None: ``BUCKETS`` / ``SPLIT_BUCKETS``):
     the kernel's shape - any gives the same
     answer (``bench/topk.py --variants`` times them). Split launches use 8-bit digits."""
@@ -188,7 +196,8 @@ def topk_triton(
     if radix not in (8, 11):
         raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
     if split is None:
-        split = split_chunk(rows, n)
+        split, auto_buckets = split_plan(rows, n)
+        buckets = auto_buckets if buckets is None else buckets
     if split < 0:
         raise ValueError(f"top-k: split must be >= 0 columns, got {split}")
     scores = scores.contiguous()
@@ -200,8 +209,9 @@ def topk_triton(
         block = min(block or SPLIT_BLOCK, split)
         if split % block:
             raise ValueError(f"top-k: split ({split}) must be a multiple of block ({block})")
-        form = split_buckets if (SPLIT_BUCKETS if buckets is None else buckets) else split_radix
-        form(scores, k, idx, val, split, block, num_warps or _split_shape(n)[1], masked)
+        use_buckets = SPLIT_BUCKETS if buckets is None else buckets
+        warps = num_warps or (BUCKET_SPLIT_SHAPE[1] if use_buckets else _split_shape(n)[1])
+        (split_buckets if use_buckets else split_radix)(scores, k, idx, val, split, block, warps, masked)
         return val, idx
     block = block or BLOCK
     num_warps = num_warps or WARPS
@@ -215,11 +225,17 @@ def topk_triton(
     return val, idx
 
 
-def split_chunk(rows: int, n: int) -> int:
-    """Columns per program when several programs share a row of ``n`` keys (0: one program per row): a
-    speed choice only (see ``SPLIT_SHAPES``)."""
+def split_plan(rows: int, n: int) -> tuple[int, bool]:
+    """``(columns per program, bucket shortcut)`` for ``rows`` rows of ``n`` keys; 0 columns: one program
+    per row (the shortcut then per ``BUCKETS``). A speed choice only: every form gives the same answer
+    (see ``SPLIT_SHAPES`` and ``BUCKET_SPLIT_FROM``)."""
     chunk = _split_shape(n)[0]
-    return chunk if n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS else 0
+    if n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS:
+        return chunk, False
+    chunk = BUCKET_SPLIT_SHAPE[0]
+    if n >= BUCKET_SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS:
+        return chunk, True
+    return 0, BUCKETS
 
 
 def _split_shape(n: int) -> tuple[int, int]:
