@@ -78,7 +78,7 @@ def selection_rows(args: argparse.Namespace, device: str) -> list[dict]:
 
                 row["triton_ms"] = 1e3 * best_of(partial(topk_triton, scores, k), args.repeats, sync)
                 if args.variants:
-                    row["gpu_ms"] = gpu_times(scores, k)
+                    row["gpu_ms"] = gpu_times(scores, k, args.graphs)
             out.append(row)
     return out
 
@@ -103,26 +103,45 @@ VARIANTS = {  # name -> topk_triton keywords (every one gives the same answer, c
 }
 
 
-def gpu_times(scores: torch.Tensor, k: int) -> dict[str, float]:
-    """Device time (CUDA events, median; no host launch cost) of torch.topk and each kernel shape."""
+def replayed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph after a warm call (which compiles its kernels): its replay.
+
+    Events around an eager call of a form of several launches time the host's launch gaps as well (the
+    split forms' five launches read 0.04-0.13 ms for the same kernels from run to run on the H100); a
+    replay times the kernels alone, as a decode step replayed from its graph runs them.
+    """
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def gpu_times(scores: torch.Tensor, k: int, graphs: bool = False) -> dict[str, float]:
+    """Device time (CUDA events, median) of torch.topk and each kernel shape; ``graphs``: each replayed
+    from a CUDA graph (no host launch gaps), else called eagerly."""
     from triton.testing import do_bench
 
     from kvwarden.layers.kernels.topk import topk_triton
 
-    out = {"torch.topk": do_bench(partial(torch.topk, scores, k, dim=-1), warmup=10, rep=50, return_mode="median")}
+    def timed(fn: Callable[[], object]) -> float:
+        return do_bench(replayed(fn) if graphs else fn, warmup=10, rep=50, return_mode="median")
+
+    out = {"torch.topk": timed(partial(torch.topk, scores, k, dim=-1))}
     want = topk_triton(scores, k)
     for name, kw in VARIANTS.items():
         try:  # a shape the compiler refuses (or a wrong answer) is reported, not fatal
             got = topk_triton(scores, k, **kw)
             same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-            ms = do_bench(partial(topk_triton, scores, k, **kw), warmup=10, rep=50, return_mode="median")
+            ms = timed(partial(topk_triton, scores, k, **kw))
             out[name] = ms if same else float("nan")
         except Exception as e:  # recorded in the table as a failed shape
             print(f"[topk] variant {name!r} failed: {type(e).__name__}: {str(e)[:200]}")
             out[name] = float("nan")
     # what topk_triton picks by itself, timed after the variants: a shape's first timed kernel read up to 2x
     # its later repeats on the H100 (2026-12-07: 0.132 against 0.062 ms for the same launch at 16 x 64K)
-    out["default"] = do_bench(partial(topk_triton, scores, k), warmup=10, rep=50, return_mode="median")
+    out["default"] = timed(partial(topk_triton, scores, k))
     return out
 
 
@@ -182,6 +201,10 @@ def main() -> None:
         "shortcut's worst case (every other score lands in a few buckets, so it takes the passes over the row)",
     )  # fmt: skip
     p.add_argument("--variants", action="store_true", help="GPU: device time of each kernel shape and torch.topk")
+    p.add_argument(
+        "--graphs", action="store_true",
+        help="with --variants: time each shape replayed from a CUDA graph (the kernels alone, as decode runs them)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -206,7 +229,8 @@ def main() -> None:
         table.add_row(*[str(c) for c in cells])
     console.print(table)
     if args.variants and args.device == "cuda":
-        vt = Table(title="Device time (median, ms): torch.topk and the kernel's shapes", title_justify="left")
+        how = "replayed from CUDA graphs" if args.graphs else "eager calls"
+        vt = Table(title=f"Device time (median, ms, {how}): torch.topk and the kernel's shapes", title_justify="left")
         names = ["torch.topk", "default", *VARIANTS]
         for c in ["keys", "rows", *names]:
             vt.add_column(c, justify="right")
@@ -224,7 +248,18 @@ def main() -> None:
         for r in models:
             mt.add_row(r["model"], f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}")
         console.print(mt)
-    print(json.dumps({"bench": "topk", "device": args.device, "sink": args.sink, "selection": sel, "models": models}))
+    print(
+        json.dumps(
+            {
+                "bench": "topk",
+                "device": args.device,
+                "sink": args.sink,
+                "graphs": args.graphs,
+                "selection": sel,
+                "models": models,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

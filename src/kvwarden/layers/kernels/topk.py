@@ -99,11 +99,13 @@ from kvwarden.layers.sparse_attention import column_order
 # SPLIT_PROGRAMS programs (each re-reads the earlier passes' histograms of all its row's chunks: 64 rows of
 # 64K keys take 0.17-0.20 ms either way). The split costs 5 launches (about 0.1 ms of host time eagerly):
 # decode, where rows are few, replays its steps from CUDA graphs, where only device time counts.
-# Rows the radix split leaves to one program (too many chunks) take the bucket shortcut split over
-# chunks of 16,384 (topk_split.py) from BUCKET_SPLIT_FROM keys on, while that makes at most SPLIT_PROGRAMS
-# programs. H100, 2026-12-07, device time: 64 rows of 64K keys 0.113 ms (one program a row 0.181,
-# torch.topk 0.143), 128 rows 0.170 (0.195, 0.205); at 32K keys it lost to one program a row (128 rows:
-# 0.112 against 0.096), and for 1-16 rows the radix split stays ahead (0.04-0.06 against 0.07-0.09).
+# Up to BUCKET_SPLIT_ROWS rows that the radix split leaves to one program (too many chunks) take the bucket
+# shortcut split over chunks of 16,384 (topk_split.py) from BUCKET_SPLIT_FROM keys on. H100, 2026-12-07,
+# device time (two runs): 64 rows of 64K keys 0.113-0.114 ms (one program a row 0.180-0.181, torch.topk
+# 0.143-0.146), 128 rows 0.170-0.172 (0.195, 0.205); 128K keys x 32 / 64 / 128 rows 0.116 / 0.175 / 0.295
+# (one program 0.34 / 0.375 / 0.44; torch.topk 0.145 / 0.219 / 0.319). It lost at 32K keys (128 rows: 0.112
+# against one program's 0.096) and at 256 rows (64K: 0.333 against 0.295); for 1-16 rows the radix split
+# stays ahead (0.04-0.06 against 0.07-0.09).
 BLOCK, WARPS = 2048, 8
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
@@ -112,7 +114,8 @@ SPLIT_SHAPES = ((16384, 2048, 4), (None, 4096, 8))  # (up to this many keys, chu
 SPLIT_BLOCK = 4096  # the split form's largest block (a chunk is walked in blocks of min(chunk, this))
 BUCKETS = True  # one program per row: the bucket shortcut to the threshold (see the docstring)
 SPLIT_BUCKETS = False  # an explicit ``split`` with ``buckets=None``: the radix passes over a row's chunks
-BUCKET_SPLIT_FROM, BUCKET_SPLIT_SHAPE = 65536, (16384, 8)  # the bucket split's rows and (chunk, warps)
+BUCKET_SPLIT_FROM, BUCKET_SPLIT_ROWS = 65536, 128  # the bucket split: rows of >= this many keys, this few rows
+BUCKET_SPLIT_SHAPE = (16384, 8)  # its (chunk = block, warps)
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride", "cap"])
@@ -232,9 +235,8 @@ def split_plan(rows: int, n: int) -> tuple[int, bool]:
     chunk = _split_shape(n)[0]
     if n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS:
         return chunk, False
-    chunk = BUCKET_SPLIT_SHAPE[0]
-    if n >= BUCKET_SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS:
-        return chunk, True
+    if n >= BUCKET_SPLIT_FROM and rows <= BUCKET_SPLIT_ROWS:
+        return BUCKET_SPLIT_SHAPE[0], True
     return 0, BUCKETS
 
 
