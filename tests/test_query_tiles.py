@@ -42,10 +42,16 @@ def test_gpu_half_precision_gqa_2_gets_one_position_decode_tiles_beside_128_row_
             assert tiles.for_step(decode_only=True) == (1, 1) and tiles.for_step(decode_only=False) == (64, 8)
 
 
+def test_qwen3_next_heads_get_one_position_decode_tiles_beside_16_position_prefill_tiles() -> None:
+    """Qwen3-Next's 16 query heads over 2 KV heads of 256 (GQA 8): 16 positions x 8 = the same 128 rows."""
+    tiles = query_tiles(16, 2, 256, torch.bfloat16, (9, 0), verified=HOPPER)
+    assert tiles == QueryTiles(decode=1, prefill=16, decode_warps=1, prefill_warps=8, block_n=32)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(32, 8, 128), (14, 2, 64), (16, 2, 256), (16, 8, 256), (16, 16, 128)],
-    ids=["gqa4", "gqa7", "qwen3-next", "head256", "mha"],
+    [(32, 8, 128), (14, 2, 64), (8, 2, 256), (64, 8, 128), (16, 8, 256), (16, 16, 128), (32, 8, 256)],
+    ids=["gqa4", "gqa7", "qwen3-next-preset-gqa4", "gqa8-head128", "head256", "mha", "gqa4-head256"],
 )
 def test_shapes_where_split_tiles_are_not_faster_or_not_measured_keep_one_tile(
     heads: int, kv_heads: int, head_dim: int

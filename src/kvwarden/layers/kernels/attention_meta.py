@@ -66,10 +66,15 @@ UNIFORM_TILES = QueryTiles()  # one BLOCK_Q tile on WARPS warps for every step
 # positions equal to its prefill row at GQA 2, 4, 7 and 8 with heads of 64 and 128, and the GPU tests).
 SPLIT_TILE_ARCHS: frozenset[tuple[int, int]] = frozenset({(9, 0)})
 # Where they are also faster (H100, bench/attention_tiles.py, the engine's tiles beside the split ones):
-# GQA 2 at head 128 (Qwen3-0.6B's shape) gains at every shape measured but one (b1 x 1K: level). GQA 4's
-# 32-position prefill tile ran a 2,048-token chunk at 276 us against 236 for 16 positions on 4 warps, and
-# head 256 (Qwen3-Next) was not measured (its check ran past the call's time): those keep the one tile.
-SPLIT_GROUP, SPLIT_MAX_HEAD = 2, 128
+# GQA 2 at head 128 (Qwen3-0.6B's shape) gains at every shape measured but one
+# (b1 x 1K: level). GQA 8 at head 256 (Qwen3-Next's 16/2 x 256, 2026-12-07, later): one position on one
+# warp and 16 positions on 8 warps against the engine's 16 positions on 4, 32 keys a tile: b1 x 16K 108
+# against 794 us, b1 x 1K 59 / 194, b64 x 512 73 / 174, b256 x 640 173 / 824, a 2,048-token prefill 260 /
+# 843, every one of 94 decoded rows equal to its prefill row (32- and 64-key tiles). GQA 4's 32-position
+# prefill tile ran a 2,048-token chunk at 276 us against 236 for 16 positions on 4 warps, GQA 8 at head 128
+# had no baseline of the engine's tile in its run, and GQA 4 x 256 (the qwen3_next presets) was not
+# measured: those keep the one tile.
+SPLIT_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 1, 128), (8, 256, 256))  # (group, heads from, up to)
 
 
 def query_tiles(
@@ -89,24 +94,25 @@ def query_tiles(
         capability: the CUDA GPU's compute capability, None off a GPU.
         verified: the compute capabilities on which the split tiles were shown to keep the bits.
 
-    Split tiles only in bfloat16 or float16 on a verified GPU architecture, for GQA 2 with heads up to
-    128 (``SPLIT_GROUP``, ``SPLIT_MAX_HEAD``). Whether a one-position tile on one warp and a 128-row tile
-    on eight order a row's sums alike is up to the code Triton generates for the architecture, so it is
-    measured (``bench/attention_tiles.py --query-tiles``, every slot of a tile, on real checkpoints' head
-    shapes; the GPU tests' decode = prefill properties), not assumed. float32 runs the products on the
-    CUDA cores (``input_precision="ieee"``), another layout, not part of that measurement; Triton's CPU
-    interpreter multiplies with NumPy, whose blocking follows the matrix's rows (a one-position tile
-    changed 94 of 95 rows there). Both keep the one tile.
+    Split tiles only in bfloat16 or float16 on a verified GPU architecture, for the GQA groups and head
+    sizes in ``SPLIT_SHAPES``: GQA 2 with heads up to 128, GQA 8 with heads of 256. Whether a one-position
+    tile on one warp and a 128-row tile on eight order a row's sums alike is up to the code Triton
+    generates for the architecture, so it is measured (``bench/attention_tiles.py --query-tiles``, every
+    slot of a tile, on real checkpoints' head shapes; the GPU tests' decode = prefill properties), not
+    assumed. float32 runs the products on the CUDA cores (``input_precision="ieee"``), another layout, not
+    part of that measurement; Triton's CPU interpreter multiplies with NumPy, whose blocking follows the
+    matrix's rows (a one-position tile changed 94 of 95 rows there). Both keep the one tile.
     """
     rep = num_heads // num_kv_heads
     rp = 1 << max(0, rep - 1).bit_length()  # the group padded to a power of two, as the kernel pads it
     if capability not in verified or dtype not in (torch.bfloat16, torch.float16):
         return UNIFORM_TILES
-    if rep != SPLIT_GROUP or head_dim > SPLIT_MAX_HEAD:
+    if not any(rep == group and low <= head_dim <= high for group, low, high in SPLIT_SHAPES):
         return UNIFORM_TILES
-    # 64 positions x the group of 2: 128 rows. Keys 32 a tile: a one-warp decode tile walks 16K keys in
-    # 57 us against 54 at 64, 256 requests over 640 keys in 247 against 270, and the 64-position
-    # prefill tile a 2,048-token chunk in 123 us against 132 (H100, GQA 2, head 128).
+    # 128 rows: 64 positions x the group of 2, 16 x 8. Keys 32 a tile: a one-warp decode tile walks 16K keys
+    # in 57 us against 54 at 64, 256 requests over 640 keys in 247 against 270, and the 64-position prefill
+    # tile a 2,048-token chunk in 123 us against 132 (H100, GQA 2, head 128); at GQA 8 x 256 173 against 282
+    # (b256 x 640), the decode tile over 16K keys 108 against 99, prefill 260 against 224.
     return QueryTiles(1, max(BLOCK_Q, PREFILL_ROWS // rp), decode_warps=DECODE_WARPS, prefill_warps=PREFILL_WARPS,
                       block_n=PREFILL_KEYS)  # fmt: skip
 
