@@ -207,6 +207,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = p.parse_args()
+    if args.graphs and not (args.variants and args.device == "cuda"):
+        p.error("--graphs times the --variants shapes on a CUDA device: add --variants, with --device cuda")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.quick:
         args.keys, args.rows, args.k, args.repeats = [4096], [1, 16], 256, 1

@@ -275,3 +275,21 @@ def test_bad_shapes_and_k_name_the_problem() -> None:
         topk_triton(torch.zeros(2, 4, device=DEVICE), 5)
     with pytest.raises(ValueError, match=r"scores must be \[rows, n\]"):
         topk_reference(torch.zeros(4, device=DEVICE), 1)
+
+
+def test_the_bench_prints_its_table_and_a_json_line_and_refuses_graphs_off_the_gpu() -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "topk.py"), "--device", "cpu", "--quick", "--no-models"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["bench"] == "topk" and last["graphs"] is False
+    assert [(r["keys"], r["rows"]) for r in last["selection"]] == [(4096, 1), (4096, 16)]
+    assert all(r["torch_topk_ms"] > 0 and r["deterministic_ms"] > 0 for r in last["selection"])
+    refused = subprocess.run([*cmd, "--graphs"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert refused.returncode == 2 and "--graphs times the --variants shapes on a CUDA device" in refused.stderr
