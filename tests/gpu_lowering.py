@@ -28,14 +28,19 @@ POINTEE = {
 }  # fmt: skip
 
 
+# Constants that kernels set from whether the interpreter runs them (``INTERPRETED``): each recorded launch
+# is lowered as recorded and again with the GPU's value, the form the GPU compiles.
+GPU_VALUES = {"BY_SUM": False, "DOT": True}
+
+
 def triton_type(value: object) -> str:
     """The Triton signature type of a runtime argument, as the launcher would infer it."""
     if isinstance(value, torch.Tensor):
         return "*" + POINTEE[value.dtype]
     if isinstance(value, bool):
-        return "i1"
+        return "u1"
     if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
+        return "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no Triton type for an argument of type {type(value).__name__}")
@@ -55,7 +60,7 @@ class Launches:
         record, run = self.record, self._run
 
         def recording_run(kernel: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-            record(kernel.fn, args, kwargs)
+            record(kernel.fn, args, kwargs, kernel.kwargs.get("do_not_specialize") or ())
             return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = recording_run  # type: ignore[method-assign]
@@ -64,15 +69,19 @@ class Launches:
     def __exit__(self, *exc: object) -> None:
         self._cls.run = self._run  # type: ignore[method-assign]
 
-    def record(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    def record(self, fn: Any, args: tuple, kwargs: dict[str, Any], unspecialized: tuple = ()) -> None:
         params = inspect.signature(fn).parameters
+        names = list(params)
+        kept = {names[u] if isinstance(u, int) else u for u in unspecialized}  # named or by position
         bound = dict(zip(params, args, strict=False))
         bound.update({k: v for k, v in kwargs.items() if k in params})
         signature: dict[str, str] = {}
         constexprs: dict[str, Any] = {}
         for name, param in params.items():
             value = bound.get(name, param.default)
-            if "constexpr" in str(param.annotation) or value is None:
+            # NOTE: the launcher makes an int argument equal to 1 a constant unless told not to specialize it
+            one = isinstance(value, int) and not isinstance(value, bool) and value == 1 and name not in kept
+            if "constexpr" in str(param.annotation) or value is None or one:
                 constexprs[name] = value
                 signature[name] = "constexpr"
             else:
@@ -105,7 +114,12 @@ def lower(spec: dict[str, Any]) -> None:
 
 def main(path: str) -> None:
     """Lower every launch recorded in ``path``; print one JSON line: how many, and each failure."""
-    specs = json.loads(Path(path).read_text())
+    recorded = json.loads(Path(path).read_text())
+    specs = list(recorded)
+    for spec in recorded:  # the GPU's value of each interpreter-only constant
+        gpu = {k: v for k, v in GPU_VALUES.items() if k in spec["constexprs"] and spec["constexprs"][k] != v}
+        if gpu:
+            specs.append({**spec, "constexprs": {**spec["constexprs"], **gpu}})
     failed = []
     for spec in specs:
         try:

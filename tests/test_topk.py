@@ -220,11 +220,15 @@ def test_the_shape_picks_a_form_and_each_default_form_gives_the_same_answer(monk
 
     assert topk.split_plan(1, 65536) == (4096, False) and topk.split_plan(64, 65536) == (16384, True)
     assert topk.split_plan(128, 131072) == (16384, True) and topk.split_plan(256, 65536) == (0, topk.BUCKETS)
-    assert topk.split_plan(64, 4096) == (0, topk.BUCKETS)
+    assert topk.split_plan(64, 4096) == (0, topk.BUCKETS) and topk.split_plan(64, 1 << 20) == (0, topk.BUCKETS)
+    # the caller's choice of the shortcut limits the forms to those with it, or without it
+    assert topk.split_plan(64, 65536, False) == (0, False) and topk.split_plan(1, 65536, True) == (16384, True)
+    assert topk.split_plan(1, 8192, True) == (0, True) and topk.split_plan(1, 8192, False) == (2048, False)
     monkeypatch.setattr(topk, "SPLIT_SHAPES", ((None, 1024, 4),))
     monkeypatch.setattr(topk, "SPLIT_FROM", 2048)
     monkeypatch.setattr(topk, "SPLIT_PROGRAMS", 8)
     monkeypatch.setattr(topk, "BUCKET_SPLIT_FROM", 3000)
+    monkeypatch.setattr(topk, "BUCKET_SPLIT_TO", 8000)
     monkeypatch.setattr(topk, "BUCKET_SPLIT_ROWS", 4)
     monkeypatch.setattr(topk, "BUCKET_SPLIT_SHAPE", (2048, 4))
     for rows, n, plan in ((2, 3072, (1024, False)), (4, 3072, (2048, True)), (5, 5000, (0, topk.BUCKETS))):

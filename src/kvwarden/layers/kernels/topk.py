@@ -104,8 +104,8 @@ from kvwarden.layers.sparse_attention import column_order
 # device time (two runs): 64 rows of 64K keys 0.113-0.114 ms (one program a row 0.180-0.181, torch.topk
 # 0.143-0.146), 128 rows 0.170-0.172 (0.195, 0.205); 128K keys x 32 / 64 / 128 rows 0.116 / 0.175 / 0.295
 # (one program 0.34 / 0.375 / 0.44; torch.topk 0.145 / 0.219 / 0.319). It lost at 32K keys (128 rows: 0.112
-# against one program's 0.096) and at 256 rows (64K: 0.333 against 0.295); for 1-16 rows the radix split
-# stays ahead (0.04-0.06 against 0.07-0.09).
+# against one program's 0.096) and at 256 rows (64K: 0.333 against 0.295); where the radix split fits (up to
+# 32 rows of 64K keys, 16 of 128K) it stays ahead (1-16 rows: 0.04-0.06 against 0.07-0.09).
 BLOCK, WARPS = 2048, 8
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
@@ -114,8 +114,10 @@ SPLIT_SHAPES = ((16384, 2048, 4), (None, 4096, 8))  # (up to this many keys, chu
 SPLIT_BLOCK = 4096  # the split form's largest block (a chunk is walked in blocks of min(chunk, this))
 BUCKETS = True  # one program per row: the bucket shortcut to the threshold (see the docstring)
 SPLIT_BUCKETS = False  # an explicit ``split`` with ``buckets=None``: the radix passes over a row's chunks
-BUCKET_SPLIT_FROM, BUCKET_SPLIT_ROWS = 65536, 128  # the bucket split: rows of >= this many keys, this few rows
-BUCKET_SPLIT_SHAPE = (16384, 8)  # its (chunk = block, warps)
+# the bucket split: rows of BUCKET_SPLIT_FROM to BUCKET_SPLIT_TO keys (the range measured: each program sums
+# every chunk's histograms of its row, a cost growing with the square of the chunks), this few rows
+BUCKET_SPLIT_FROM, BUCKET_SPLIT_TO, BUCKET_SPLIT_ROWS = 65536, 131072, 128
+BUCKET_SPLIT_SHAPE = (16384, 8)  # its (chunk, warps); a chunk is walked in blocks of SPLIT_BLOCK
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride", "cap"])
@@ -192,15 +194,15 @@ def topk_triton(
     ``radix``, ``block``, ``num_warps``, ``masked`` (the histogram's mask argument, or non-matching keys
     counted into bin 0 and taken back out), ``split`` (columns per program when several share a row; 0:
     one program per row; None: by the shape, ``split_plan``), ``buckets`` (the bucket shortcut to the
-    threshold, in one program per row or split over a row's chunks; None: ``BUCKETS`` / ``SPLIT_BUCKETS``):
-    the kernel's shape - any gives the same
-    answer (``bench/topk.py --variants`` times them). Split launches use 8-bit digits."""
+    threshold, in one program per row or split over a row's chunks; None: ``split_plan``'s choice, or with
+    an explicit ``split`` ``SPLIT_BUCKETS``): the kernel's shape - any gives the same answer
+    (``bench/topk.py --variants`` times them). Split launches use 8-bit digits (``radix`` is for one
+    program per row)."""
     rows, n = _check(scores, k)
     if radix not in (8, 11):
         raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
     if split is None:
-        split, auto_buckets = split_plan(rows, n)
-        buckets = auto_buckets if buckets is None else buckets
+        split, buckets = split_plan(rows, n, buckets)
     if split < 0:
         raise ValueError(f"top-k: split must be >= 0 columns, got {split}")
     scores = scores.contiguous()
@@ -228,16 +230,19 @@ def topk_triton(
     return val, idx
 
 
-def split_plan(rows: int, n: int) -> tuple[int, bool]:
+def split_plan(rows: int, n: int, buckets: bool | None = None) -> tuple[int, bool]:
     """``(columns per program, bucket shortcut)`` for ``rows`` rows of ``n`` keys; 0 columns: one program
-    per row (the shortcut then per ``BUCKETS``). A speed choice only: every form gives the same answer
-    (see ``SPLIT_SHAPES`` and ``BUCKET_SPLIT_FROM``)."""
+    per row. ``buckets`` (the caller's choice of the shortcut, None: free) limits the forms to those with
+    it (True: the bucket split or one program with the shortcut) or without (False: the radix split or
+    one program through the passes). A speed choice only: every form gives the same answer (see
+    ``SPLIT_SHAPES`` and ``BUCKET_SPLIT_FROM``)."""
     chunk = _split_shape(n)[0]
-    if n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS:
+    if buckets is not True and n >= SPLIT_FROM and rows * triton.cdiv(n, chunk) <= SPLIT_PROGRAMS:
         return chunk, False
-    if n >= BUCKET_SPLIT_FROM and rows <= BUCKET_SPLIT_ROWS:
+    long_rows = BUCKET_SPLIT_FROM <= n <= BUCKET_SPLIT_TO and rows <= BUCKET_SPLIT_ROWS
+    if buckets is not False and long_rows:
         return BUCKET_SPLIT_SHAPE[0], True
-    return 0, BUCKETS
+    return 0, BUCKETS if buckets is None else buckets
 
 
 def _split_shape(n: int) -> tuple[int, int]:
