@@ -224,6 +224,12 @@ def test_the_shape_picks_a_form_and_each_default_form_gives_the_same_answer(monk
     # the caller's choice of the shortcut limits the forms to those with it, or without it
     assert topk.split_plan(64, 65536, False) == (0, False) and topk.split_plan(1, 65536, True) == (16384, True)
     assert topk.split_plan(1, 8192, True) == (0, True) and topk.split_plan(1, 8192, False) == (2048, False)
+    # 11-bit digits run in one program per row whatever the shape (the split forms are 8-bit)
+    wide = scores(3, 1, 3072, torch.float32)
+    monkeypatch.setattr(topk, "SPLIT_FROM", 2048)
+    want = topk_reference(wide, 200)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(topk_triton(wide, 200, radix=11), want, strict=True))
+    monkeypatch.undo()
     monkeypatch.setattr(topk, "SPLIT_SHAPES", ((None, 1024, 4),))
     monkeypatch.setattr(topk, "SPLIT_FROM", 2048)
     monkeypatch.setattr(topk, "SPLIT_PROGRAMS", 8)
@@ -275,6 +281,8 @@ def test_bad_shapes_and_k_name_the_problem() -> None:
         topk_triton(torch.zeros(2, 4, device=DEVICE), 2, radix=9)
     with pytest.raises(ValueError, match=r"split \(1000\) must be a multiple of block \(512\)"):
         topk_triton(torch.zeros(2, 4, device=DEVICE), 2, split=1000, block=512)
+    with pytest.raises(ValueError, match=r"radix 11 runs in one program per row \(split=0\)"):
+        topk_triton(torch.zeros(2, 4, device=DEVICE), 2, split=1024, radix=11)
     with pytest.raises(ValueError, match=r"k must be in \[0, 4\]"):
         topk_triton(torch.zeros(2, 4, device=DEVICE), 5)
     with pytest.raises(ValueError, match=r"scores must be \[rows, n\]"):

@@ -196,15 +196,17 @@ def topk_triton(
     one program per row; None: by the shape, ``split_plan``), ``buckets`` (the bucket shortcut to the
     threshold, in one program per row or split over a row's chunks; None: ``split_plan``'s choice, or with
     an explicit ``split`` ``SPLIT_BUCKETS``): the kernel's shape - any gives the same answer
-    (``bench/topk.py --variants`` times them). Split launches use 8-bit digits (``radix`` is for one
-    program per row)."""
+    (``bench/topk.py --variants`` times them). Split launches use 8-bit digits: ``radix=11`` runs one
+    program per row, and with a ``split`` is refused."""
     rows, n = _check(scores, k)
     if radix not in (8, 11):
         raise ValueError(f"top-k: radix must be 8 or 11 bits, got {radix}")
-    if split is None:
-        split, buckets = split_plan(rows, n, buckets)
+    if split is None:  # the split forms run 8-bit digits only: 11-bit ones keep one program per row
+        split, buckets = split_plan(rows, n, buckets) if radix == 8 else (0, buckets)
     if split < 0:
         raise ValueError(f"top-k: split must be >= 0 columns, got {split}")
+    if split and radix != 8:
+        raise ValueError(f"top-k: radix {radix} runs in one program per row (split=0); a split uses 8-bit digits")
     scores = scores.contiguous()
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     val = torch.empty(rows, k, dtype=torch.float32, device=scores.device)
