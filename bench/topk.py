@@ -142,6 +142,12 @@ def gpu_times(scores: torch.Tensor, k: int, graphs: bool = False) -> dict[str, f
     # what topk_triton picks by itself, timed after the variants: a shape's first timed kernel read up to 2x
     # its later repeats on the H100 (2026-12-07: 0.132 against 0.062 ms for the same launch at 16 x 64K)
     out["default"] = timed(partial(topk_triton, scores, k))
+    if graphs:  # the same two eager, in the same run: the launch gaps' share, on the same card and buffers
+        for name, fn in (
+            ("torch.topk", partial(torch.topk, scores, k, dim=-1)),
+            ("default", partial(topk_triton, scores, k)),
+        ):
+            out[f"{name} eager"] = do_bench(fn, warmup=10, rep=50, return_mode="median")
     return out
 
 
@@ -233,7 +239,7 @@ def main() -> None:
     if args.variants and args.device == "cuda":
         how = "replayed from CUDA graphs" if args.graphs else "eager calls"
         vt = Table(title=f"Device time (median, ms, {how}): torch.topk and the kernel's shapes", title_justify="left")
-        names = ["torch.topk", "default", *VARIANTS]
+        names = ["torch.topk", "default", *(["torch.topk eager", "default eager"] if args.graphs else []), *VARIANTS]
         for c in ["keys", "rows", *names]:
             vt.add_column(c, justify="right")
         for r in sel:
