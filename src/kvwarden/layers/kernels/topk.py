@@ -109,7 +109,7 @@ from kvwarden.layers.sparse_attention import column_order
 BLOCK, WARPS = 2048, 8
 # One program per row over rows of more than LONG_ROW keys: 4 warps. H100, 2026-12-07, two runs, device time
 # replayed from CUDA graphs: 64K x 256 rows 0.275 ms against 0.294 on 8 warps, 128K x 256 0.484-0.486
-# against 0.534-0.537 (torch.topk 0.508), 128K x 2,048 3.09 against 3.33; 64K x 2,048 level (1.81 / 1.79).
+# against 0.534-0.537 (torch.topk 0.508); one run at 2,048 rows: 128K 3.09 against 3.33, 64K level (1.81 / 1.79).
 # At 32K keys the two tie (0.151-0.152 / 0.152-0.153) and from 16K down 8 warps win (16K x 256: 0.091 / 0.102).
 LONG_ROW, LONG_ROW_WARPS = 32768, 4
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
