@@ -125,10 +125,11 @@ def gpu_times(scores: torch.Tensor, k: int, graphs: bool = False) -> dict[str, f
 
     from kvwarden.layers.kernels.topk import topk_triton
 
-    def timed(fn: Callable[[], object]) -> float:
-        return do_bench(replayed(fn) if graphs else fn, warmup=10, rep=50, return_mode="median")
+    def timed(fn: Callable[[], object], replay: bool = graphs) -> float:
+        return do_bench(replayed(fn) if replay else fn, warmup=10, rep=50, return_mode="median")
 
-    out = {"torch.topk": timed(partial(torch.topk, scores, k, dim=-1))}
+    reference, default = partial(torch.topk, scores, k, dim=-1), partial(topk_triton, scores, k)
+    out = {"torch.topk": timed(reference)}
     want = topk_triton(scores, k)
     for name, kw in VARIANTS.items():
         try:  # a shape the compiler refuses (or a wrong answer) is reported, not fatal
@@ -141,13 +142,9 @@ def gpu_times(scores: torch.Tensor, k: int, graphs: bool = False) -> dict[str, f
             out[name] = float("nan")
     # what topk_triton picks by itself, timed after the variants: a shape's first timed kernel read up to 2x
     # its later repeats on the H100 (2026-12-07: 0.132 against 0.062 ms for the same launch at 16 x 64K)
-    out["default"] = timed(partial(topk_triton, scores, k))
+    out["default"] = timed(default)
     if graphs:  # the same two eager, in the same run: the launch gaps' share, on the same card and buffers
-        for name, fn in (
-            ("torch.topk", partial(torch.topk, scores, k, dim=-1)),
-            ("default", partial(topk_triton, scores, k)),
-        ):
-            out[f"{name} eager"] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        out["torch.topk eager"], out["default eager"] = timed(reference, False), timed(default, False)
     return out
 
 

@@ -107,10 +107,12 @@ from kvwarden.layers.sparse_attention import column_order
 # against one program's 0.096) and at 256 rows (64K: 0.333 against 0.295); where the radix split fits (up to
 # 32 rows of 64K keys, 16 of 128K) it stays ahead (1-16 rows: 0.04-0.06 against 0.07-0.09).
 BLOCK, WARPS = 2048, 8
-# One program per row over rows of more than LONG_ROW keys: 4 warps. H100, 2026-12-07, two runs, device time
-# replayed from CUDA graphs: 64K x 256 rows 0.275 ms against 0.294 on 8 warps, 128K x 256 0.484-0.486
-# against 0.534-0.537 (torch.topk 0.508); one run at 2,048 rows: 128K 3.09 against 3.33, 64K level (1.81 / 1.79).
-# At 32K keys the two tie (0.151-0.152 / 0.152-0.153) and from 16K down 8 warps win (16K x 256: 0.091 / 0.102).
+# One program per row over rows of more than LONG_ROW keys: 4 warps (scheduling only: the counts are exact
+# integers, so the answer is the same on any warps; bench/topk.py --variants checks it on the GPU). H100,
+# 2026-12-07, two runs, device time replayed from CUDA graphs: 64K x 256 rows 0.275 ms against 0.294 on 8
+# warps, 128K x 256 0.484-0.486 against 0.534-0.537 (torch.topk 0.508); one run at 2,048 rows: 128K 3.09
+# against 3.33, 64K level (1.81 / 1.79). At 32K keys the two tie (0.151-0.152 / 0.152-0.153) and from 16K
+# down 8 warps win (16K x 256: 0.091 / 0.102).
 LONG_ROW, LONG_ROW_WARPS = 32768, 4
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
