@@ -94,11 +94,21 @@ class _Measurements:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.entries:
             return
+        crashes = [e for e in self.entries if e.get("crashed_before_first_answer")]
         terminalreporter.section("measured on this machine (recorded, not asserted)")
         for e in self.entries:
+            if e in crashes:
+                continue
             facts = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("test", "what"))
             terminalreporter.write_line(f"{e['what']}: {facts}")
         terminalreporter.write_line(f"(also in {MEASUREMENTS_FILE})")
+        if crashes:  # an engine that never answered measured nothing: say so where nobody can miss it
+            title = f"{len(crashes)} ENGINE SERVER(S) DIED BEFORE THEIR FIRST ANSWER: NOTHING MEASURED THERE"
+            terminalreporter.section(title, sep="!", red=True, bold=True)
+            for e in crashes:
+                terminalreporter.write_line(f"{e['what']}: {e['error']}", red=True, bold=True)
+                for line in e["log_tail"]:
+                    terminalreporter.write_line(f"    | {line}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

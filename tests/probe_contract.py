@@ -129,3 +129,20 @@ def check_suite_run(run_dir: Path, code: int, brief: dict[str, Any]) -> dict[str
     expected = 2 if any(a["error"] for a in arms) else (1 if unstable else 0)
     assert code == expected, f"exit status {code}, the records call for {expected}"
     return facts
+
+
+def early_deaths(run_dir: Path) -> list[dict[str, Any]]:
+    """The arms whose server exited before it answered anything (a crash at load or on the first request):
+    each with the arm, the error and the last lines of the server's log. The probe reports them as arm
+    errors (exit status 2), which its contract allows; a test run must still say so loudly, or an engine
+    that never ran looks like an engine that was measured."""
+    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+    deaths = []
+    for r in records:
+        if r["type"] != "arm_error" or "exited with" not in r["error"]:
+            continue
+        answered = any(x["type"] == "response" and x.get("attempt") == r["attempt"] for x in records)
+        if not answered:
+            tail = (r.get("log_tail") or r["error"]).splitlines()[-12:]
+            deaths.append({"arm": r["arm"], "error": r["error"].splitlines()[0][:200], "log_tail": tail})
+    return deaths

@@ -186,7 +186,7 @@ def _check(tmp_path: Path, tokenizer_dir: Path, family: str, fields: dict[str, A
         assert any(name in str(exc) for name in names), f"refused without naming a config field: {exc}"
         return
     prompt = torch.randint(3, 1000, (37,), generator=torch.Generator().manual_seed(len(tag))).tolist()
-    assert_agrees(out, prompt, budgets=(512, 7), tol=1e-3, logprobs=True, max_new=4)
+    assert_agrees(out, prompt, budgets=(512, 7), logprobs=True, max_new=4)
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen3_next", "granite"])
@@ -217,4 +217,4 @@ def test_odd_partial_rotary_matches_transformers(tmp_path: Path, llama_tiny: Pat
     llm = LLM(str(out))
     assert llm.engine.loaded.model.layers[1].mixer.rope.rotary_dim == 6
     prompt = torch.randint(3, 1000, (41,), generator=torch.Generator().manual_seed(9)).tolist()
-    assert_agrees(out, prompt, budgets=(512, 7), tol=1e-3, logprobs=True, max_new=4)
+    assert_agrees(out, prompt, budgets=(512, 7), logprobs=True, max_new=4)

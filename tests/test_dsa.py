@@ -16,6 +16,8 @@ from conftest import _made
 from kvwarden import LLM, SamplingParams
 from kvwarden.bench.properties import check_properties
 from kvwarden.layers.sparse_attention import index_scores, select_keys, select_topk
+from reference import model_tol
+from tolerance import assert_within, reorder_bound
 
 BLOCK = 16
 
@@ -98,11 +100,13 @@ def test_selection_prunes_at_the_presets_lengths(glm_tiny: Path, tmp_path: Path)
     """With every key selected the answer changes from position index_topk on, and only from there."""
     topk = json.loads((glm_tiny / "config.json").read_text())["index_topk"]
     prompt = _prompt(1, 40)
-    sparse = torch.log_softmax(LLM(str(glm_tiny)).score(prompt).float(), -1)
+    logits = LLM(str(glm_tiny)).score(prompt).float()
+    sparse = torch.log_softmax(logits, -1)
     dense_model = _with(glm_tiny, tmp_path / "dense", index_topk=4096)
     dense = torch.log_softmax(LLM(str(dense_model)).score(prompt).float(), -1)
     diff = (sparse - dense).abs().amax(-1)
-    assert diff[:topk].max().item() < 1e-4  # every key selected either way (summed in another order)
+    # every key selected either way, summed in another order: within float32's rounding bound (tests/tolerance.py)
+    assert diff[:topk].max().item() <= model_tol(glm_tiny, logits, len(prompt))
     assert diff[topk:].max().item() > 0.1
 
 
@@ -265,5 +269,7 @@ def test_absorbed_projections_by_head_on_every_backend() -> None:
         assert torch.equal(per_head[:, h], Ops(config).linear(x[:, h].contiguous(), w[h]))
     batched = CudaOps(config, torch.device("cpu")).linear_heads(x, w)
     assert batched.shape == (5, 3, 7)
-    torch.testing.assert_close(batched, torch.einsum("mhk,hnk->mhn", x.double(), w.double()).float())
-    torch.testing.assert_close(batched, per_head)
+    exact = torch.einsum("mhk,hnk->mhn", x.double(), w.double())
+    bound = reorder_bound(torch.float32, 10, torch.einsum("mhk,hnk->mhn", x.double().abs(), w.double().abs()))
+    assert_within(batched, exact, bound / 2, "batched heads against the exact product")  # one evaluation: gamma_n
+    assert_within(batched, per_head, bound, "batched heads against one GEMM per head")

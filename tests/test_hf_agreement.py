@@ -6,6 +6,7 @@ Checkpoints are written by transformers (``save_pretrained``) and by our
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from kvwarden import LLM
 from reference import assert_agrees, save_random_checkpoint
+from tolerance import assert_within, model_tolerance
 
 BASE: dict[str, Any] = {
     "vocab_size": 1024,
@@ -71,7 +73,7 @@ def _hf_checkpoint(tmp_path: Path, tokenizer_dir: Path, arch: str, overrides: di
 
 
 def _compare(model_dir: Path, prompt: list[int]) -> None:
-    assert_agrees(model_dir, prompt, budgets=(48,), tol=1e-4, logprobs=False, max_new=12)
+    assert_agrees(model_dir, prompt, budgets=(48,), logprobs=False, max_new=12)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -96,7 +98,9 @@ def test_bfloat16_loads_and_stays_close(llama_tiny: Path) -> None:
     llm = LLM(str(llama_tiny), dtype="bfloat16")
     assert llm.engine.loaded.model.dtype == torch.bfloat16
     bf16 = llm.score(prompt)
-    # bfloat16 keeps 8 bits of mantissa: agreement is loose but the distributions match.
-    lp32, lp16 = torch.log_softmax(f32, -1), torch.log_softmax(bf16, -1)
-    assert (lp32 - lp16).abs().max().item() < 0.5
-    assert (lp32.argmax(-1) == lp16.argmax(-1)).float().mean().item() > 0.8
+    # bfloat16 keeps 8 bits of mantissa: within the bound of its storage roundings (tests/tolerance.py). A
+    # bfloat16 path that drops a scale or reads a wrong layout moves log-probabilities by several nats.
+    lp32, lp16 = torch.log_softmax(f32, -1), torch.log_softmax(bf16.float(), -1)
+    config = json.loads((llama_tiny / "config.json").read_text())
+    tol = model_tolerance(config, f32.abs().max().item(), context=len(prompt), dtype=torch.bfloat16, log_softmax=True)
+    assert_within(lp16, lp32, tol, "bfloat16 against float32")

@@ -17,7 +17,7 @@ from kvwarden.probe.predict import predict_pair
 from kvwarden.probe.report import contamination_verdict, summarize
 from kvwarden.probe.runner import RecordLog, Target, run_probe
 from kvwarden.probe.scenario import ScenarioError, load_scenario
-from probe_contract import check_run
+from probe_contract import check_run, early_deaths
 
 LEGACY = ServerSettings(
     block_size=16,
@@ -176,6 +176,8 @@ def test_unreachable_and_crashing_servers_are_reported_and_nothing_is_lost(tmp_p
     assert done.returncode == 2
     errors = [r for r in RecordLog(tmp_path / "crash" / "records.jsonl").read() if r["type"] == "arm_error"]
     assert errors and "exited with 3" in errors[0]["error"] and "boom: cannot bind" in errors[0]["error"]
+    assert early_deaths(tmp_path / "crash")[0]["arm"] == errors[0]["arm"]
+    assert early_deaths(tmp_path / "down") == []  # nothing started, nothing died
     # resume: a finished run skips its arms, keeps every earlier record and starts no server
     run = tmp_path / "resume"
     args = ["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", "repeat", "--repeats", "2"]
@@ -199,6 +201,10 @@ def test_a_server_that_dies_under_the_first_request_is_an_arm_error_not_a_hang(t
     for arm in summary["arms"]:  # every arm started its own server, which died under its first request
         assert "server exited with 7 during the arm" in arm["error"], arm
         assert "simulated kernel crash under /v1/completions" in arm["error"], arm  # the log's tail is kept
+    # what the real-engine tests print loudly: every arm died before its first answer, with the log's last lines
+    deaths = early_deaths(tmp_path)
+    assert [d["arm"] for d in deaths] == [a["arm"] for a in summary["arms"]]
+    assert all(any("simulated kernel crash" in line for line in d["log_tail"]) for d in deaths), deaths
     assert summary["prediction"] == {"skipped": "no scheduling model for custom serving this model"}
 
 

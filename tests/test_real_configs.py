@@ -11,11 +11,13 @@ docs/models.md, and ``scripts/gpu_check.sh full sweep`` the same on a GPU with e
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from kvwarden.bench.real_configs import sweep_config
+from tolerance import model_tolerance
 
 CONFIGS = Path(__file__).resolve().parent.parent / "bench" / "configs"
 NAMES = sorted(f.stem for f in CONFIGS.glob("*.json"))
@@ -32,13 +34,17 @@ def test_the_sweep_has_the_published_configurations() -> None:
 def test_published_configuration_loads_and_agrees_or_is_refused(name: str, tmp_path: Path) -> None:
     config = json.loads((CONFIGS / f"{name}.json").read_text())
     large = config["hidden_size"] >= 3072
-    row = sweep_config(
-        name, config, tmp_path, layers=2, prompts=2, tokens=8, max_experts=64, properties=() if large else ("b",)
-    )
+    row = sweep_config(  # tol inf: the bound is derived below, from the logits' magnitude
+        name, config, tmp_path, layers=2, prompts=2, tokens=8, max_experts=64, properties=() if large else ("b",),
+        tol=math.inf,
+    )  # fmt: skip
     print(f"{name}: {row.status} {row.shape} {row.detail} ({row.seconds:.0f} s)")
     if row.status == "refused":
         assert any(key in row.detail for key in config), f"refused without naming a config field: {row.detail}"
         return
     assert row.status == "agrees", row
     assert row.greedy_equal == row.prompts == 2
-    assert row.max_dlogprob_likely <= 1e-3
+    # float32 rounding of this shape cut to two layers, prompts of up to 48 + 8 tokens (tests/tolerance.py)
+    bound = model_tolerance(dict(config, num_hidden_layers=2), row.max_abs_logit, context=56, log_softmax=True)
+    assert row.max_dlogprob_likely <= bound, (row.max_dlogprob_likely, bound)
+    assert row.max_dlogprob_top20 <= bound, (row.max_dlogprob_top20, bound)

@@ -33,7 +33,7 @@ from kvwarden.models.make_model import make_model
 from kvwarden.models.sources import smollm2_path
 from kvwarden.probe.gguf_convert import convert_to_gguf
 from kvwarden.probe.launchers import engines_dir
-from probe_contract import check_run, check_suite_run
+from probe_contract import check_run, check_suite_run, early_deaths
 
 # one worker runs these one after another: each starts a real server that wants both cores and GBs of memory
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real-engines")]
@@ -62,11 +62,19 @@ def checked(measure: Measure, name: str, *args: str) -> tuple[dict[str, Any], di
     """Probe, check the contract against the raw records, record what the engine did."""
     code, summary, out = probe(name, *args)
     facts = check_run(out, code, summary)
+    report_early_deaths(measure, name, out)
     servers = {a["arm"]: a.get("server", {}) for a in summary["arms"]}
     info = next((s for s in servers.values() if s), {})
     extra = {"block_size": info.get("block_size"), "block_size_source": info.get("block_size_source")}
     measure(name, exit_status=code, arms=facts, **{k: v for k, v in extra.items() if v is not None}, run_dir=out)
     return summary, facts
+
+
+def report_early_deaths(measure: Measure, name: str, out: Path) -> None:
+    """A server that died before its first answer measured nothing: recorded as a crash, which the run's
+    summary prints in its own loud section with the server's last log lines (``conftest.py``)."""
+    for death in early_deaths(out):
+        measure(f"{name}: {death['arm']}", crashed_before_first_answer=True, **death)
 
 
 def check_prediction(summary: dict[str, Any], measure: Measure, name: str) -> None:
@@ -248,6 +256,7 @@ def suite_checked(measure: Measure, name: str, *args: str) -> dict[str, dict[str
     """Run a suite, check the probe's contract against its records, record what the engine did."""
     code, brief, out = probe(name, *args)
     facts = check_suite_run(out, code, brief)
+    report_early_deaths(measure, name, out)
     measure(name, exit_status=code, **{arm: f for arm, f in facts.items()}, run_dir=out)
     return facts
 

@@ -48,6 +48,7 @@ class SweepRow:
     greedy_equal: int = 0
     max_dlogprob_likely: float = 0.0
     max_dlogprob_top20: float = 0.0
+    max_abs_logit: float = 0.0  # transformers' largest |logit|: the magnitude a rounding bound scales with
     invariance: dict[str, bool] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -153,6 +154,7 @@ def _check(
         lengths = [rng.randint(16, 48) for _ in range(prompts)]
         batch = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
         refs = _transformers(out, batch, tokens, device, dtype)
+        row.max_abs_logit = max(peak for _, _, peak in refs)
         _agreement(row, out, batch, refs, tokens, device, dtype)
         if row.max_dlogprob_likely > tol:
             row.status, row.detail = "differs", row.detail + f"; likely tokens past the bound {tol:g}"
@@ -186,7 +188,8 @@ def _transformers(path: Path, batch: list[list[int]], tokens: int, device: str, 
                 return_dict_in_generate=True, pad_token_id=0,
             )  # fmt: skip
             steps = [torch.log_softmax(x[0].float(), -1).cpu() for x in out.logits]
-            refs.append((out.sequences[0, len(prompt) :].tolist(), steps))
+            peak = max(x[0].float().abs().max().item() for x in out.logits)
+            refs.append((out.sequences[0, len(prompt) :].tolist(), steps, peak))
     del hf
     gc.collect()
     return refs
@@ -197,7 +200,7 @@ def _agreement(row: SweepRow, path: Path, batch: list, refs: list, tokens: int, 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=20, ignore_eos=True)
     outs = llm.generate(batch, params)
     worst = []
-    for (hf_tokens, hf_lp), out in zip(refs, outs, strict=True):
+    for (hf_tokens, hf_lp, _), out in zip(refs, outs, strict=True):
         first = next((i for i, (a, b) in enumerate(zip(hf_tokens, out.token_ids, strict=True)) if a != b), None)
         row.greedy_equal += first is None
         upto = len(hf_tokens) if first is None else first + 1
