@@ -25,6 +25,8 @@
 #   scripts/gpu_check.sh full tests fla hybridspeed hybridprofile   # the hybrid family: kernels, fla, rows, profile
 #   scripts/gpu_check.sh full hybridmatrix truth      # (a)-(j) on both hybrids; bf16 error against float32 truth
 #   scripts/gpu_check.sh full sweep                   # the published configurations (bench/configs/), f32 and bf16
+#   scripts/gpu_check.sh full scale                   # real sizes, dummy FP8 weights (SCALE_MODELS="qwen3-next-80b-a3b:fp8"
+#                                                     # on an H200; "large/glm-5:fp8:6" its first layers)
 #   scripts/gpu_check.sh full smollm2                 # the real SmolLM2 GGUF (parts carried by scripts/gpu_carry.sh)
 #   scripts/gpu_check.sh full mtptrain                # train qwen3_next-small on the bundled text, fit MTP, k=2 vs off
 #   scripts/gpu_check.sh full families specprofile    # the families' agreement/invariance/truth; a spec step's phases
@@ -32,7 +34,7 @@
 #                                                     # invariance, the top-k against torch.topk, prefill/decode rows
 #
 # Stages: tests, matrix, agreement, throughput, spec, hosttier, tune, gemm, gemv, qtiles, attntiles, speed, speedoffline, speedrows, serving, overlap, profile, pd,
-# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, smollm2, mtptrain, families, specprofile, diag, granite, dsa
+# fla, hybridspeed, hybridprofile, hybridmatrix, truth, sweep, scale, smollm2, mtptrain, families, specprofile, diag, granite, dsa
 # (throughput, spec, speed* and pd in full mode only). `tune` writes $OUT/gemm_tuned.json and later stages of the call use it
 # (KVWARDEN_GEMM_TABLE); copy it to src/kvwarden/layers/kernels/ to record it. Logs and JSON results go to $OUT
 # (default /tmp/gpu_check).
@@ -303,6 +305,19 @@ if [ "$MODE" = full ] && want sweep; then  # every published configuration, both
     --max-experts "${SWEEP_EXPERTS:-64}" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | grep -e '^|' -e '^\[sweep\]'
   tail -n 1 "$OUT/sweep.log" > "$OUT/sweep.json"
   record "sweep: rows agreeing or refused (f32, bf16)" "$(python3 -c "import json; r=json.load(open('$OUT/sweep.json'))['rows']; print(*(f\"{d}: {sum(x['status'] in ('agrees', 'refused') for x in r if x['dtype'] == d)} of {sum(x['dtype'] == d for x in r)}\" for d in ('float32', 'bfloat16')))" 2>&1 | tail -n 1)"
+fi
+
+if [ "$MODE" = full ] && want scale; then  # #60 item 4: the seeds' models at real size, dummy weights (FP8)
+  # CONFIG[:fp8[:LAYERS]] each; Qwen3-Next-80B-A3B-FP8 (~81 GB) needs an H200 (run it alone, needs_h200)
+  for SPEC in ${SCALE_MODELS:-qwen3-30b-a3b:fp8}; do
+    IFS=: read -r CFG FP8 LAYERS <<< "$SPEC"
+    NAME=$(basename "$CFG")
+    stage "scale: $CFG${FP8:+ as FP8}${LAYERS:+, first $LAYERS layers}, dummy weights, bfloat16: load, offline, (b)(e)(f), c=1/8/64"
+    timeout "${SCALE_TIMEOUT:-560}" python3 -m kvwarden.bench.scale --config "bench/configs/$CFG.json" --device cuda \
+      --dtype bfloat16 ${FP8:+--fp8} ${LAYERS:+--num-layers $LAYERS} --out "$OUT/scale-$NAME.json" ${SCALE_ARGS:-} \
+      2>&1 | tee "$OUT/scale-$NAME.log" | grep -v '^{' | tail -n 12
+    record "scale $NAME: layers, load s, offline tok/s, [c, tok/s, TPOT ms], b/e/f" "$(python3 bench/scale_summary.py "$OUT/scale-$NAME.json" 2>&1 | tail -n 1)"
+  done
 fi
 
 if want smollm2; then  # the real model: its GGUF joined from the carried parts, checked against its sha256

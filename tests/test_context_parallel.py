@@ -176,7 +176,7 @@ def test_what_cannot_be_split_is_refused_by_name(models_root: Path, llama_tiny: 
 def test_a_dead_worker_fails_the_step_with_its_name(llama_tiny: Path) -> None:
     """A worker killed between steps: the next split step raises naming the rank (no hang), and close() ends."""
     llm = LLM(str(llama_tiny), device="cpu", context_parallel_size=2, context_parallel_min_tokens=MIN_TOKENS)
-    worker = llm.engine.parallel.procs[0]
+    worker = llm.engine.parallel.workers.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(timeout=10)
     with pytest.raises(RuntimeError, match="context-parallel rank 1 exited"):
@@ -201,7 +201,7 @@ def test_the_ranks_listen_on_loopback_only(llama_tiny: Path) -> None:
     """Every socket rank 0 and its worker listen on - the store's (torch's own would listen on every
     interface) and gloo's - is bound to 127.0.0.1."""
     with LLM(str(llama_tiny), device="cpu", context_parallel_size=2) as llm:
-        inodes = _socket_inodes(os.getpid()) | _socket_inodes(llm.engine.parallel.procs[0].pid)
+        inodes = _socket_inodes(os.getpid()) | _socket_inodes(llm.engine.parallel.workers.procs[0].pid)
         listening = []
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             for line in Path(table).read_text().splitlines()[1:]:

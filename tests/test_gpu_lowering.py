@@ -20,6 +20,7 @@ import torch
 from conftest import _made
 from kvwarden import LLM, SamplingParams
 from kvwarden.layers.kernels.topk import topk_triton
+from kvwarden.models.make_model import make_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles its kernels itself")
 
@@ -63,6 +64,11 @@ def _family_runs(models_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(_made(models_root, "llama", "tiny")), device="cpu", kernels="triton", dtype="bfloat16")
     assert llm.engine.runner.query_tiles == split
     llm.generate(prompts, params)
+    # FP8 weights dequantized per tile (the GEMM's plain and SwiGLU forms, the MoE experts), in bfloat16
+    fp8 = models_root / "qwen3_moe-tiny-fp8"
+    if not (fp8 / "model.safetensors").is_file():
+        make_model("qwen3_moe", "tiny", 0, fp8, fp8_block=(16, 32))
+    LLM(str(fp8), device="cpu", kernels="triton", dtype="bfloat16", num_blocks=64).generate(prompts, params)
 
 
 def test_every_launched_kernel_lowers_for_hopper(

@@ -414,3 +414,33 @@ def test_bitwise_helper_sees_the_last_bit() -> None:
     a = torch.tensor([1.0])
     b = torch.tensor([struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", 1.0))[0] + 1))[0]])
     assert not same(a, b) and same(a, a.clone())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_weights_compute_the_bits_of_their_dequantized_twin(dtype: torch.dtype) -> None:
+    """W8A16: an FP8 weight with block scales, dequantized per tile inside the GEMM, gives the bits of the same
+    GEMM on ``fp8.dequantize`` of it - plain, fused SwiGLU (a block holding gate and up rows), and the MoE
+    experts - and a row's bits do not depend on the batch. Blocks of 16 x 32 over 40 x 72: edge blocks."""
+    from kvwarden.layers.fp8 import BlockFp8, quantize
+    from kvwarden.layers.kernels import moe
+
+    g = gen(7)
+    w = torch.randn(40, 72, generator=g)
+    q, s = quantize(w, (16, 32))
+    fp8 = BlockFp8(q.to(DEVICE), s.to(DEVICE), (16, 32), dtype)
+    dense = fp8.dequantize()
+    x = rand(g, 9, 72, dtype=dtype)
+    y = gemm.linear(x, fp8)
+    assert same(y, gemm.linear(x, dense))
+    assert same(gemm.linear(x[:1], fp8), y[:1])
+    glu = gemm_forms.linear_swiglu(x, fp8)  # 20 gate rows then 20 up rows: block 1 holds both
+    assert same(glu, gemm_forms.linear_swiglu(x, dense))
+    experts = [quantize(torch.randn(2 * 24, 72, generator=g), (16, 32)) for _ in range(3)]
+    downs = [quantize(torch.randn(72, 24, generator=g), (16, 32)) for _ in range(3)]
+    w_gu = BlockFp8(*(torch.stack(t).to(DEVICE) for t in zip(*experts, strict=True)), (16, 32), dtype)
+    w_dn = BlockFp8(*(torch.stack(t).to(DEVICE) for t in zip(*downs, strict=True)), (16, 32), dtype)
+    chosen = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]], device=DEVICE)
+    weights = torch.full((9, 2), 0.5, dtype=dtype, device=DEVICE)
+    got = moe.experts(x, chosen, weights, w_gu, w_dn)
+    assert same(got, moe.experts(x, chosen, weights, w_gu.dequantize(), w_dn.dequantize()))
+    assert same(moe.experts(x[3:4], chosen[3:4], weights[3:4], w_gu, w_dn), got[3:4])

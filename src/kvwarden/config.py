@@ -25,6 +25,7 @@ NUMERICS_MODES: tuple[str, ...] = ("canonical", "shape-dependent")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 CHUNKING_RULES: tuple[str, ...] = ("kvwarden", "legacy-align", "legacy-align-fixed")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 CUDA_GRAPH_MODES: tuple[str, ...] = ("auto", "off", "emulate")
 KERNEL_SOURCES: tuple[str, ...] = ("auto", "compiled", "torch", "triton")
 
@@ -279,6 +280,11 @@ class ParallelConfig:
             broadcast (the race an engine without the wait has; other logits).
         layer_split_delay_ms: TESTING ONLY: each broadcast starts this late (with the unsafe switch,
             the race then shows on every step).
+        tensor_parallel_size: ranks (processes of this host, gloo; CPU only so far) each holding a share of
+            every layer's weights and KV heads, every step run on all of them; the answer is bitwise that of
+            one rank (``models/tensor_shard.py`` says why). Rank 0 samples.
+        enable_expert_parallel: MoE layers sharded by whole experts across the tensor-parallel ranks
+            (required for MoE models there).
     """
 
     context_parallel_size: int = 1
@@ -286,8 +292,15 @@ class ParallelConfig:
     layer_split: bool = False
     unsafe_layer_split: bool = False
     layer_split_delay_ms: float = 0.0
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
+        t = self.tensor_parallel_size
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {t!r}")
+        if self.enable_expert_parallel and t < 2:
+            raise ValueError("enable_expert_parallel: needs tensor_parallel_size >= 2 (experts are shared among ranks)")
         n = self.context_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"context_parallel_size: must be an integer >= 1, got {n!r}")
@@ -306,7 +319,12 @@ class ParallelConfig:
 
     @property
     def enabled(self) -> bool:
+        """Context parallelism (tensor parallelism has its own: :attr:`tensor_parallel`)."""
         return self.context_parallel_size > 1
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tensor_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -325,6 +343,7 @@ class EngineConfig:
 
     model: str
     dtype: DType = "float32"
+    load_format: str = "auto"  # "dummy": seeded random weights of config.json's shapes (models/weight_source.py)
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
@@ -340,6 +359,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs: unknown {self.cuda_graphs!r}; expected one of {CUDA_GRAPH_MODES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: unknown {self.dtype!r}; expected one of {DTYPES}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: unknown {self.load_format!r}; expected one of {LOAD_FORMATS}")
         if self.device not in DEVICES:
             raise ValueError(f"device: unknown {self.device!r}; expected one of {DEVICES}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -32,6 +32,9 @@ class LLM:
         model: a Hugging Face directory, a ``.gguf`` file, ``"smollm2"`` or
             ``"builtin:<arch>-<preset>"``.
         dtype: ``"float32"`` or ``"bfloat16"``.
+        load_format: ``"auto"`` (the folder's safetensors, FP8 block-quantized ones included) or ``"dummy"``
+            (seeded random weights of ``config.json``'s shapes, drawn on the device: a benchmark of a
+            model's real size without its checkpoint; ``seed`` seeds them).
         block_size: tokens per KV block.
         enable_prefix_caching: reuse full blocks across requests.
         max_num_batched_tokens: token budget per engine step (default: 512 on the CPU, 8,192 on a GPU).
@@ -87,6 +90,11 @@ class LLM:
         unsafe_layer_split: testing only: read the broadcast buffer without
             waiting for the broadcast (a race; changes the logits).
         layer_split_delay_ms: testing only: each layer broadcast starts this late.
+        tensor_parallel_size: processes of this host each holding a share of every layer (heads, MLP
+            columns, vocabulary; workers started here, stopped by :meth:`close`; CPU only so far); the
+            logits are bitwise those of one rank. Dense and MoE attention models.
+        enable_expert_parallel: with ``tensor_parallel_size``: a MoE model's experts sharded whole across
+            the ranks (required for MoE models).
 
     Use it as a context manager (or call :meth:`close`) when it starts workers.
     """
@@ -95,6 +103,7 @@ class LLM:
         self,
         model: str,
         dtype: str = "float32",
+        load_format: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = None,
@@ -122,11 +131,14 @@ class LLM:
         layer_split: bool = False,
         unsafe_layer_split: bool = False,
         layer_split_delay_ms: float = 0.0,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
     ) -> None:
         max_num_batched_tokens, max_num_seqs = scheduler_limits(device, max_num_batched_tokens, max_num_seqs)
         config = EngineConfig(
             model=model,
             dtype=dtype,  # type: ignore[arg-type]
+            load_format=load_format,
             max_model_len=max_model_len,
             seed=seed,
             device=device,
@@ -160,6 +172,8 @@ class LLM:
                 layer_split,
                 unsafe_layer_split,
                 layer_split_delay_ms,
+                tensor_parallel_size,
+                enable_expert_parallel,
             ),
         )
         self.engine = LLMEngine(config)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvwarden.config import CHUNKING_RULES, DEVICES, DTYPES, KERNEL_SOURCES, NUMERICS_MODES
+from kvwarden.config import CHUNKING_RULES, DEVICES, DTYPES, KERNEL_SOURCES, LOAD_FORMATS, NUMERICS_MODES
 
 
 def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
@@ -16,6 +16,14 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
         p.add_argument("model", help="model dir, .gguf file, 'smollm2' or 'builtin:<arch>-<preset>'")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
+    p.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="auto: the folder's safetensors (FP8 block-quantized ones too); dummy: seeded random weights of "
+        "config.json's shapes drawn on the device (benchmarks without the checkpoint; needs config.json and "
+        "a tokenizer only)",
+    )
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block and prefix-cache entry")
     p.add_argument(
         "--max-num-batched-tokens",
@@ -130,6 +138,19 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         "broadcast (re-creates the race of an engine without the wait)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="shard every layer's weights and KV heads across N processes of this host (CPU, gloo on "
+        "loopback); the logits are bitwise those of 1 (docs/parallelism.md). Dense and MoE attention models",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: shard a MoE model's experts whole across the ranks (required for MoE)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="GPU only: run decode steps eagerly instead of replaying CUDA graphs (same logits, slower)",
@@ -156,6 +177,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """``LLM(...)`` keyword arguments from :func:`add_engine_args` flags."""
     return {
         "dtype": args.dtype,
+        "load_format": args.load_format,
         "block_size": args.block_size,
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -181,6 +203,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "context_parallel_min_tokens": args.context_parallel_min_tokens,
         "layer_split": args.layer_split,
         "unsafe_layer_split": args.unsafe_layer_split,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         # testing only: `kvwarden serve --inject-fault layer-split-delay=MS` (other commands have no faults)
         "layer_split_delay_ms": float(getattr(getattr(args, "faults", None), "layer_split_delay", None) or 0.0),
     }

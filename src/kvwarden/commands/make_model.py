@@ -32,6 +32,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--num-layers", type=int, help="with --config: keep the first N layers (a hybrid keeps both kinds)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="with --config: weight dtype")
+    p.add_argument(
+        "--fp8",
+        nargs="?",
+        const="128,128",
+        metavar="BN,BK",
+        help="write an FP8 block-quantized checkpoint (float8_e4m3fn weights, a float32 weight_scale_inv per "
+        "BN x BK block, quantization_config as Qwen3-*-FP8 and DeepSeek-V3 ship it; default blocks 128,128)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--out", required=True, help="output directory (created if missing)")
     p.add_argument(
@@ -84,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             args.parser.error(f"--device {args.device}: no CUDA device here")
-    out = make_model(args.arch, args.preset, args.seed, args.out)
-    print(f"wrote {args.arch}/{args.preset} (seed {args.seed}) to {out}")
+    out = make_model(args.arch, args.preset, args.seed, args.out, _fp8_block(args))
+    fp8 = f", FP8 blocks {args.fp8}" if args.fp8 else ""
+    print(f"wrote {args.arch}/{args.preset} (seed {args.seed}{fp8}) to {out}")
 
     def say(msg: str) -> None:
         print(msg, flush=True)
@@ -116,6 +125,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fp8_block(args: argparse.Namespace) -> tuple[int, int] | None:
+    if args.fp8 is None:
+        return None
+    try:
+        bn, bk = (int(v) for v in args.fp8.split(","))
+    except ValueError:
+        args.parser.error(f"--fp8: expected BN,BK (two block sizes, e.g. 128,128), got {args.fp8!r}")
+    if bn < 1 or bk < 1:
+        args.parser.error(f"--fp8: block sizes must be >= 1, got {args.fp8!r}")
+    return bn, bk
+
+
 def _train(args: argparse.Namespace, out: Path, say: Callable[[str], None]) -> None:
     from kvwarden.models.train_preset import train_preset
 
@@ -135,6 +156,8 @@ def _from_config(args: argparse.Namespace) -> int:
         args.parser.error("--config: replaces --arch (the family comes from the config's architectures)")
     if args.fit_mtp or args.fit_draft or args.train_steps is not None or args.device != "cpu":
         args.parser.error("--train-steps / --fit-mtp / --fit-draft / --device: only with --arch")
+    if args.fp8:
+        args.parser.error("--fp8: only with --arch (a --config with an fp8 quantization_config is written in FP8)")
     if args.num_layers is not None and args.num_layers < 1:
         args.parser.error(f"--num-layers: must be >= 1, got {args.num_layers}")
     path = Path(args.config)

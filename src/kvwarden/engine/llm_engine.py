@@ -40,10 +40,10 @@ from kvwarden.engine.step_sampling import launch_tops, record_prompt_scores
 from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.engine.structured.grammars import Grammars
 from kvwarden.engine.structured.state import GrammarFailure
+from kvwarden.engine.tensor_parallel import TensorParallel
 from kvwarden.layers.backends import make_ops
 from kvwarden.layers.cpu_ops import CompiledCpuOps
-from kvwarden.models.loader import LoadedModel, load
-from kvwarden.models.sources import resolve_model
+from kvwarden.models.loader import LoadedModel, load_for
 
 if TYPE_CHECKING:
     from kvwarden.engine.faults import FaultInjector
@@ -61,7 +61,7 @@ class LLMEngine:
         # the sampler's log-softmax from the same kernels as the model's (the compiled CPU ones where they run)
         compiled = self.ops.compiled if isinstance(self.ops, CompiledCpuOps) else None
         self.row_math = row_math_for("cuda" if config.numerics.kernels == "triton" else self.device, compiled)
-        self.loaded: LoadedModel = load(resolve_model(config.model), config.dtype, self.ops, config.max_model_len)
+        self.loaded: LoadedModel = load_for(config, self.ops)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)  # compiled on first use
@@ -106,9 +106,12 @@ class LLMEngine:
             if par.layer_split
             else None,
         )
-        self.parallel: ContextParallel | None = None
+        self.parallel: ContextParallel | TensorParallel | None = None
         if config.parallel.enabled:  # after the runner: the workers copy its pool's size and slot layout
             self.parallel = ContextParallel(config, self.runner, self.num_blocks)
+            self.runner.attach_parallel(self.parallel)
+        elif config.parallel.tensor_parallel:
+            self.parallel = TensorParallel(config, self.runner, self.num_blocks)
             self.runner.attach_parallel(self.parallel)
         self.host: HostTier | None = None
         if cache.host_cache_bytes:

@@ -46,7 +46,7 @@ class StepParallel(Protocol):
 
     def eligible(self, rows: int) -> bool: ...
 
-    def forward(self, entries: list[BatchEntry], split: bool) -> torch.Tensor: ...
+    def forward(self, entries: list[BatchEntry], split: bool, want_rows: list[int] | None = None) -> torch.Tensor: ...
 
     def sync(self, entries: list[BatchEntry]) -> None: ...
 
@@ -198,14 +198,18 @@ class ModelRunner:
         }
         par = self.parallel
         split = par is not None and self.tracer is None and par.eligible(row0)
-        if par is not None and (split or par.every_step):
-            hidden = par.forward(entries, split)  # NOTE(invariance): shares are chunks (context_parallel/shares.py)
+        ran_parallel = par is not None and (split or par.every_step)
+        if ran_parallel:
+            hidden = par.forward(entries, split, want_rows)  # NOTE(invariance): shares are chunks (context_parallel)
         else:
             batch = self.make_batch(entries, tokens=tokens)
             hidden = self.model.forward(batch, self.kv_caches)
             if par is not None:
                 par.sync(entries)
-        if want_rows:
+        from_step = getattr(par, "step_logits", None) if ran_parallel else None
+        if want_rows and from_step is not None:  # tensor parallelism: every rank computed its vocabulary block
+            logits = from_step()
+        elif want_rows:
             logits = self.model.logits(hidden[torch.tensor(want_rows, dtype=torch.long).to(self.device)])
         else:
             logits = torch.empty((0, 0), device=self.device)

@@ -144,6 +144,7 @@ class TritonOps(CudaOps):
 
     name = "canonical"
     kernels = "triton"
+    block_fp8 = True  # FP8 weights dequantized per tile inside the GEMMs (kernels/gemm.py, kernels/moe.py)
 
     def __init__(self, config: NumericsConfig, device: torch.device) -> None:
         super().__init__(config, device)

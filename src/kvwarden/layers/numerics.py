@@ -74,6 +74,9 @@ class Ops:
     # (moe_experts, moe_combine); the CPU walks requests and experts on the host.
     batched_recurrent = False
     device_moe = False
+    # Whether linear(), linear_swiglu() and moe_experts() take FP8 block-quantized weights (models/quant.py's
+    # BlockFp8) and dequantize them per tile; other backends get the dequantized tensor at load.
+    block_fp8 = False
 
     def __init__(self, config: NumericsConfig) -> None:
         self.config = config

@@ -8,6 +8,7 @@ from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 from kvwarden.models.common import ForwardBatch, WeightGetter, fuse, norm_weight, require
 from kvwarden.models.config import ModelConfig
+from kvwarden.models.tensor_shard import TensorShard
 
 
 class AttentionBlock:
@@ -19,9 +20,18 @@ class AttentionBlock:
     """
 
     def __init__(
-        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, rope: RotaryEmbedding | None
+        self,
+        cfg: ModelConfig,
+        get: WeightGetter,
+        prefix: str,
+        ops: Ops,
+        rope: RotaryEmbedding | None,
+        shard: TensorShard | None = None,
     ) -> None:
+        """``shard``: under tensor parallelism ``cfg`` holds this rank's heads and ``get`` its slices of the
+        projections (``o_proj`` by output columns: every rank's heads gathered first, its output after)."""
         self.cfg, self.ops, self.rope = cfg, ops, rope
+        self.shard = shard or TensorShard()
         names = ("q_proj", "k_proj", "v_proj")
         weights = [require(get, f"{prefix}.{n}.weight") for n in names]
         # Biases exactly where the config puts them (Qwen2: q, k and v only); one in the checkpoint that the
@@ -72,4 +82,8 @@ class AttentionBlock:
         batch.trace(f"{self.name}.core", o)
         if gate is not None:
             o = o * ops.sigmoid(gate)
-        return ops.linear(o, self.wo, self.bo)
+        if not self.shard.active:
+            return ops.linear(o, self.wo, self.bo)
+        # NOTE(invariance): gathered, never summed across ranks (models/tensor_shard.py)
+        o = self.shard.gather(o, o.shape[1] * self.shard.world)
+        return self.shard.gather(ops.linear(o, self.wo, self.bo), self.wo.shape[0] * self.shard.world)

@@ -12,8 +12,11 @@ from kvwarden.cache.state_pool import StatePool
 from kvwarden.layers.attention import AttentionPlan
 from kvwarden.layers.recurrent_plan import RecurrentMeta
 from kvwarden.models.config import ModelConfig
+from kvwarden.models.quant import BlockFp8, as_tensor, cat_rows, stack
 
-WeightGetter = Callable[[str], torch.Tensor | None]
+# A layer's weight: a tensor, or FP8 blocks that a block_fp8 backend's GEMMs dequantize per tile.
+Weight = torch.Tensor | BlockFp8
+WeightGetter = Callable[[str], Any]
 
 
 class TraceSink(Protocol):
@@ -90,13 +93,26 @@ class ForwardBatch:
             self.tracer.record(name, rows, self.seqs)
 
 
-def fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Projections of one input stacked into one weight (and bias: zeros where a part has none)."""
-    fused = torch.cat(weights, dim=0)
+def fuse(weights: list[Weight], biases: list[torch.Tensor | None]) -> tuple[Weight, torch.Tensor | None]:
+    """Projections of one input stacked into one weight (and bias: zeros where a part has none). FP8 weights
+    stay FP8 when every part ends on a block boundary (``quant.cat_rows``), else all are dequantized."""
+    fused: Weight | None = None
+    if all(isinstance(w, BlockFp8) for w in weights):
+        fused = cat_rows(weights)  # type: ignore[arg-type]
+    if fused is None:
+        fused = torch.cat([as_tensor(w) for w in weights], dim=0)
     if all(b is None for b in biases):
         return fused, None
-    parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)]
+    like = next(b for b in biases if b is not None)
+    parts = [b if b is not None else like.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)]
     return fused, torch.cat(parts)
+
+
+def stack_experts(weights: list[Weight]) -> Weight:
+    """Experts' weights stacked ``[E, N, K]``: FP8 when every one is (``quant.stack``), else dense."""
+    if all(isinstance(w, BlockFp8) for w in weights):
+        return stack(weights)  # type: ignore[arg-type]
+    return torch.stack([as_tensor(w) for w in weights])
 
 
 def require(get: WeightGetter, name: str) -> torch.Tensor:

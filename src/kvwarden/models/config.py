@@ -27,6 +27,7 @@ from kvwarden.models.config_parts import (
     refuse_unsupported,
     sliding_window,
 )
+from kvwarden.models.quant import Fp8Config, parse_quantization
 
 # The layer kinds and sub-configs are part of this module's interface (models import them from here).
 __all__ = [
@@ -107,6 +108,7 @@ class ModelConfig:
     mla: MlaConfig | None = None  # GLM-5: latent attention with a lightning indexer (DSA) on every layer
     sliding_window: int | None = None  # Mistral: attention limited to this many keys (served up to it only)
     mtp_layers: int = 0  # GLM-5 / DeepSeek: an MTP layer stored as layer num_hidden_layers (model.layers.N.*)
+    quantization: Fp8Config | None = None  # an FP8 block-quantized checkpoint (models/quant.py)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -177,6 +179,7 @@ class ModelConfig:
             "eos_token_ids": tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             "layer_types": (ATTENTION,) * int(cfg["num_hidden_layers"]),
             "sliding_window": sliding_window(arch, cfg),
+            "quantization": parse_quantization(cfg),
             "raw": cfg,
         }
         if arch in _GATED_DELTANET:

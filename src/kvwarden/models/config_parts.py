@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvwarden.models.quant import parse_quantization
+
 ATTENTION = "attention"
 GATED_DELTANET = "gated_deltanet"
 MAMBA2 = "mamba2"
@@ -292,10 +294,7 @@ def sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
 
 def refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
     """Refuse, naming the field, what kvwarden would otherwise ignore and serve wrongly."""
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(f"config.json: quantization_config ({method}) is not supported: kvwarden loads dense weights")
+    parse_quantization(cfg)  # fp8 block-wise is read (models/quant.py); any other method is refused, named
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu)")

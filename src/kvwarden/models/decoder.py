@@ -20,6 +20,7 @@ from kvwarden.models.config import ATTENTION, GATED_DELTANET, ModelConfig
 from kvwarden.models.mla_block import MlaBlock
 from kvwarden.models.mlp import build_ffn
 from kvwarden.models.recurrent_blocks import GatedDeltaNetBlock, Mamba2Block
+from kvwarden.models.tensor_shard import TensorShard, even_split
 
 __all__ = ["DecoderModel", "ForwardBatch", "SeqSlice"]
 
@@ -34,6 +35,7 @@ class DecoderLayer:
         rope: RotaryEmbedding | None,
         prefix: str | None = None,
         kind: str | None = None,
+        shard: TensorShard | None = None,
     ) -> None:
         """Layer ``index`` of the stack, or (``prefix`` and ``kind`` given) an extra layer such as the MTP head's."""
         prefix = prefix or f"model.layers.{index}"
@@ -46,13 +48,13 @@ class DecoderLayer:
         if self.kind == ATTENTION and cfg.mla is not None:
             self.mixer = MlaBlock(cfg, get, f"{prefix}.self_attn", ops, rope, index)
         elif self.kind == ATTENTION:
-            self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope)
+            self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope, shard)
         elif self.kind == GATED_DELTANET:
             self.mixer = GatedDeltaNetBlock(cfg, get, f"{prefix}.linear_attn", ops)
         else:
             self.mixer = Mamba2Block(cfg, get, f"{prefix}.mamba", ops)
         self.mixer.name = f"{self.name}.{'attn' if self.kind == ATTENTION else 'rec'}"
-        self.ffn = build_ffn(cfg, get, index, ops, prefix)
+        self.ffn = build_ffn(cfg, get, index, ops, prefix, shard)
         self.kv_index = -1  # index into the KV caches (attention layers)
         self.state_index = -1  # index into the state pool (recurrent layers)
 
@@ -92,14 +94,19 @@ class DecoderLayer:
 class DecoderModel:
     """Decoder-only model of any supported family over the paged cache."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, ops: Ops, max_positions: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, get: WeightGetter, ops: Ops, max_positions: int, shard: TensorShard | None = None
+    ) -> None:
+        """``shard``: this rank's place under tensor parallelism (``cfg`` is then the rank's own share of the
+        heads, ``get`` its slices; ``models/tensor_shard.py``)."""
         self.cfg, self.ops = cfg, ops
+        self.shard = shard or TensorShard()
         self.embed = require(get, "model.embed_tokens.weight")
         rope = None
         if cfg.use_rope and cfg.attention_layers:
             rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_parameters, max_positions, ops.device)
         self.rope = rope
-        self.layers = [DecoderLayer(cfg, get, i, ops, rope) for i in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, get, i, ops, rope, shard=shard) for i in range(cfg.num_hidden_layers)]
         for kv_i, i in enumerate(cfg.attention_layers):
             self.layers[i].kv_index = kv_i
         for st_i, i in enumerate(cfg.recurrent_layers):
@@ -149,7 +156,7 @@ class DecoderModel:
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states ``[rows, hidden]`` after the final norm."""
-        h = self.embed[batch.input_ids]
+        h = self._embed(batch.input_ids)
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
         batch.trace("embed", h)
@@ -164,7 +171,29 @@ class DecoderModel:
         batch.trace("final_norm", h)
         return h
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; under tensor parallelism each rank holds a block of the vocabulary, and every
+        rank takes each row from the rank that holds it (a copy: the same bits as one table)."""
+        shard = self.shard
+        if not shard.active:
+            return self.embed[ids]
+        vocab = shard.part(self.cfg.vocab_size)
+        mine = (ids >= vocab.start) & (ids < vocab.stop)
+        local = self.embed[torch.where(mine, ids - vocab.start, torch.zeros_like(ids))]
+        assert shard.comm is not None
+        hidden = self.embed.shape[1]
+        blocks = shard.comm.all_gather(local.view(-1, hidden), [hidden] * shard.world)
+        owner = torch.zeros_like(ids)
+        bounds = even_split(self.cfg.vocab_size, shard.world)
+        for r in range(1, shard.world):
+            owner += ids >= sum(bounds[:r])
+        return torch.stack(blocks)[owner, torch.arange(ids.shape[0], device=ids.device)]
+
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` for selected hidden rows (``head``: an MTP head's own LM head)."""
-        logits = self.ops.linear(hidden, self.lm_head if head is None else head).float()
+        """Float32 logits ``[rows, vocab]`` for selected hidden rows (``head``: an MTP head's own LM head);
+        under tensor parallelism every rank computes its vocabulary block, gathered in rank order."""
+        logits = self.ops.linear(hidden, self.lm_head if head is None else head)
+        if head is None and self.shard.active:
+            logits = self.shard.gather(logits, self.cfg.vocab_size)
+        logits = logits.float()
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits

@@ -18,9 +18,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvwarden.models.bundled import corpus_text
+from kvwarden.models.config import ModelConfig
 from kvwarden.models.family_presets import FAMILIES, family_config
 from kvwarden.models.make_hybrid import Init, granite_config, granite_weights, qwen3_next_config, qwen3_next_weights
 from kvwarden.models.presets import ARCHS, PRESETS
+from kvwarden.models.quant import SCALE_SUFFIX, quantize, stored_fp8
 from kvwarden.models.random_weights import cut_layers, random_checkpoint
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -153,8 +155,40 @@ def random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
-    """Write a seeded random checkpoint to ``out`` and return the directory.
+# What ``--fp8`` keeps in the checkpoint's dtype, as published FP8 checkpoints do: the LM head, routers and
+# gates, and the small recurrent projections (their rows are not block-sized).
+FP8_NOT_CONVERTED = ["lm_head", "mlp.gate", "shared_expert_gate", "in_proj_ba", "in_proj_b", "in_proj_a"]
+
+
+def fp8_config(block: tuple[int, int] = (128, 128)) -> dict[str, Any]:
+    """The ``quantization_config`` that ``--fp8`` writes (block-wise FP8, dynamic activations)."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": FP8_NOT_CONVERTED,
+    }
+
+
+def quantize_weights(cfg: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors an FP8 checkpoint of ``cfg`` stores in FP8 (its ``quantization_config`` converts their
+    module) as ``float8_e4m3fn`` with a ``weight_scale_inv`` beside each; the rest unchanged."""
+    quant = ModelConfig.from_dict(cfg).quantization
+    if quant is None:
+        return weights
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if stored_fp8(name, tuple(w.shape), quant):
+            out[name], out[name.removesuffix("weight") + SCALE_SUFFIX] = quantize(w, quant.block)
+        else:
+            out[name] = w
+    return out
+
+
+def make_model(arch: str, preset: str, seed: int, out: str | Path, fp8_block: tuple[int, int] | None = None) -> Path:
+    """Write a seeded random checkpoint to ``out`` and return the directory; ``fp8_block``: as an FP8
+    block-quantized checkpoint with blocks of that shape.
 
     Raises:
         ValueError: unknown ``arch`` or ``preset``.
@@ -180,13 +214,16 @@ def make_model(arch: str, preset: str, seed: int, out: str | Path) -> Path:
         dtype = WEIGHT_DTYPES[preset]
         weights = {k: v.to(dtype) for k, v in weights.items()}
         cfg["dtype"] = str(dtype).removeprefix("torch.")
-    return write_checkpoint(Path(out), cfg, weights, tok)
+    if fp8_block is not None:
+        cfg["quantization_config"] = fp8_config(fp8_block)
+    return write_checkpoint(Path(out), cfg, quantize_weights(cfg, weights), tok)
 
 
 def make_model_from_config(
     config: dict[str, Any], out: str | Path, seed: int = 0, num_layers: int | None = None, dtype: str = "float32"
 ) -> Path:
-    """A seeded random checkpoint of a published ``config.json``'s shapes (its first ``num_layers`` layers).
+    """A seeded random checkpoint of a published ``config.json``'s shapes (its first ``num_layers`` layers);
+    FP8 block-quantized where the config has an fp8 ``quantization_config``, as the published files are.
 
     The tokenizer is kvwarden's small trained one (its ids fit any real vocabulary); the config keeps the
     model's own vocabulary size and special-token ids, so the embedding and LM head have the real shapes.
@@ -198,14 +235,21 @@ def make_model_from_config(
     cfg["dtype"] = dtype
     tok = train_tokenizer(VOCAB_SIZES["tiny"])
     weights = random_checkpoint(cfg, seed, getattr(torch, dtype))
-    return write_checkpoint(Path(out), cfg, weights, tok)
+    return write_checkpoint(Path(out), cfg, quantize_weights(cfg, weights), tok)
 
 
 def write_checkpoint(out: Path, cfg: dict[str, Any], weights: dict[str, torch.Tensor], tok: Backend) -> Path:
     """config.json, model.safetensors, the tokenizer files and generation_config.json under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return write_config(out, cfg, tok)
+
+
+def write_config(out: Path, cfg: dict[str, Any], tok: Backend) -> Path:
+    """Everything but the weights: config.json, the tokenizer files and generation_config.json (all that
+    ``load_format="dummy"`` needs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, bos]})
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")

@@ -5,16 +5,22 @@ from __future__ import annotations
 import torch
 
 from kvwarden.layers.numerics import Ops
-from kvwarden.models.common import WeightGetter, fuse, require
+from kvwarden.models.common import WeightGetter, fuse, require, stack_experts
 from kvwarden.models.config import ModelConfig
+from kvwarden.models.tensor_shard import TensorShard
 
 
 class MLP:
     """``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, get: WeightGetter, prefix: str, ops: Ops, bias: bool = False) -> None:
-        """``bias``: the config's ``mlp_bias`` (biases are read only when announced; see AttentionBlock)."""
+    def __init__(
+        self, get: WeightGetter, prefix: str, ops: Ops, bias: bool = False, shard: TensorShard | None = None
+    ) -> None:
+        """``bias``: the config's ``mlp_bias`` (biases are read only when announced; see AttentionBlock).
+        ``shard``: under tensor parallelism ``get`` gives this rank's intermediate columns of gate and up and
+        its output columns of down (models/tensor_shard.py: gathered, never summed)."""
         self.ops = ops
+        self.shard = shard or TensorShard()
         gate, up = require(get, f"{prefix}.gate_proj.weight"), require(get, f"{prefix}.up_proj.weight")
 
         def b(name: str) -> torch.Tensor | None:
@@ -25,8 +31,12 @@ class MLP:
         self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), b("down_proj")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        return ops.linear(ops.linear_swiglu(h, self.w_gate_up, self.b_gate_up), self.w_down, self.b_down)
+        ops, shard = self.ops, self.shard
+        act = ops.linear_swiglu(h, self.w_gate_up, self.b_gate_up)
+        if not shard.active:
+            return ops.linear(act, self.w_down, self.b_down)
+        act = shard.gather(act, act.shape[1] * shard.world)
+        return shard.gather(ops.linear(act, self.w_down, self.b_down), self.w_down.shape[0] * shard.world)
 
 
 class GraniteMLP:
@@ -60,9 +70,16 @@ class SparseMoE:
     experts a step chose are walked on the host.
     """
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+    def __init__(
+        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, shard: TensorShard | None = None
+    ) -> None:
+        """``shard``: under expert parallelism this rank holds a block of whole experts (the router and any
+        shared expert whole too): each (token, rank) pair is computed by its expert's rank, then every rank
+        takes it from there (models/tensor_shard.py)."""
         assert cfg.moe is not None
         self.moe, self.ops = cfg.moe, ops
+        self.shard = shard or TensorShard()
+        self.owned = self.shard.owned_experts(cfg.moe.num_experts) if self.shard.active else range(cfg.moe.num_experts)
         self.topk_first = cfg.moe.routing == "topk_softmax"
         self.grouped = cfg.moe.routing == "sigmoid_group"
         self.on_device = ops.device_moe
@@ -78,24 +95,27 @@ class SparseMoE:
         else:
             mlp = f"{prefix}.mlp"
             self.router = require(get, f"{mlp}.gate.weight")
-            experts = [MLP(get, f"{mlp}.experts.{e}", ops) for e in range(cfg.moe.num_experts)]
-            w_gate_up = torch.stack([e.w_gate_up for e in experts])
-            w_down = torch.stack([e.w_down for e in experts])
+            experts = [MLP(get, f"{mlp}.experts.{e}", ops) for e in self.owned]
+            w_gate_up = stack_experts([e.w_gate_up for e in experts])
+            w_down = stack_experts([e.w_down for e in experts])
             del experts
             if self.grouped:  # float32 router and score-correction bias; ungated shared experts
                 self.router = self.router.float()
                 self.score_bias = require(get, f"{mlp}.gate.e_score_correction_bias").float()
                 if cfg.moe.shared_intermediate_size:
-                    self.shared = MLP(get, f"{mlp}.shared_experts", ops)
+                    self.shared = MLP(get, f"{mlp}.shared_experts", ops, shard=self.shard)
             elif cfg.moe.shared_intermediate_size:
-                self.shared = MLP(get, f"{mlp}.shared_expert", ops)
+                self.shared = MLP(get, f"{mlp}.shared_expert", ops, shard=self.shard)
                 self.shared_gate = get(f"{mlp}.shared_expert_gate.weight")
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.inter = w_gate_up.shape[1] // 2
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         ops, k = self.ops, self.moe.top_k
-        if self.on_device:  # one kernel routes, one sort and one kernel dispatch, two run the experts
+        if self.shard.active:
+            weights, chosen = self._route(h)
+            per_rank = self._from_owners(self._experts(h, weights, chosen), chosen)
+        elif self.on_device:  # one kernel routes, one sort and one kernel dispatch, two run the experts
             if self.grouped:  # group-limited routing: row-wise library ops on the device, nothing read back
                 weights, chosen = self._route_grouped(h)
             else:
@@ -108,7 +128,7 @@ class SparseMoE:
             per_rank = self._experts(h, weights, chosen)
         shared = self.shared(h) if self.shared is not None else None
         gate = ops.linear(h, self.shared_gate) if shared is not None and self.shared_gate is not None else None
-        if self.on_device:
+        if self.on_device and not self.shard.active:
             return ops.moe_combine(per_rank, shared, gate)  # type: ignore[attr-defined]
         combined = per_rank[:, 0]
         for r in range(1, k):
@@ -155,27 +175,45 @@ class SparseMoE:
             weights = weights / (ops.sum_rows(weights) + 1e-20)
         return (weights * moe.routed_scaling_factor).to(h.dtype), chosen
 
+    def _from_owners(self, per_rank: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each (token, rank) pair's output as its expert's rank computed it (every rank computed zeros for
+        the pairs it does not own): gathered, then picked by owner - a copy, never a sum."""
+        shard = self.shard
+        rows, k, hidden = per_rank.shape
+        blocks = shard.gather(per_rank.reshape(rows, k * hidden), k * hidden * shard.world)
+        by_rank = blocks.view(rows, shard.world, k, hidden)
+        owner = shard.experts_of(chosen, self.moe.num_experts)  # [rows, k]
+        return by_rank.gather(1, owner.view(rows, 1, k, 1).expand(rows, 1, k, hidden)).squeeze(1)
+
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """``[rows, k, H]``: each (token, rank) through its expert, times its weight (experts walked on the host)."""
         ops = self.ops
         per_rank = h.new_zeros((h.shape[0], self.moe.top_k, h.shape[1]))
         for e in torch.unique(chosen).tolist():
+            if e not in self.owned:  # another rank's expert (expert parallelism)
+                continue
             token, rank = torch.where(chosen == e)
-            gate, up = ops.linear(h[token], self.w_gate_up[e]).split(self.inter, dim=-1)
-            out = ops.linear(ops.silu_mul(gate, up), self.w_down[e])
+            local = e - self.owned.start
+            gate, up = ops.linear(h[token], self.w_gate_up[local]).split(self.inter, dim=-1)
+            out = ops.linear(ops.silu_mul(gate, up), self.w_down[local])
             per_rank[token, rank] = out * weights[token, rank].unsqueeze(-1)
         return per_rank
 
 
 def build_ffn(
-    cfg: ModelConfig, get: WeightGetter, index: int, ops: Ops, prefix: str | None = None
+    cfg: ModelConfig,
+    get: WeightGetter,
+    index: int,
+    ops: Ops,
+    prefix: str | None = None,
+    shard: TensorShard | None = None,
 ) -> MLP | GraniteMLP | SparseMoE:
     """The FFN of layer ``index`` (an extra layer under ``prefix``, like Qwen3-Next's MTP, is sparse when
     the model is)."""
     extra = prefix is not None and not prefix.startswith("model.layers.")
     prefix = prefix or f"model.layers.{index}"
     if cfg.moe is not None and (extra or cfg.moe.sparse_layers[index]):
-        return SparseMoE(cfg, get, prefix, ops)
+        return SparseMoE(cfg, get, prefix, ops, shard)
     if cfg.architecture == "GraniteMoeHybridForCausalLM":
         return GraniteMLP(get, f"{prefix}.shared_mlp", ops)
-    return MLP(get, f"{prefix}.mlp", ops, bias=cfg.mlp_bias)
+    return MLP(get, f"{prefix}.mlp", ops, bias=cfg.mlp_bias, shard=shard)

@@ -9,13 +9,16 @@ load: ``kvwarden make-model --config FILE --num-layers N``.
 
 Tensors are drawn one at a time and cast at once to the target dtype, so a
 large shape (a 152K x 5,120 embedding) never needs a float32 copy of the whole
-model.
+model. The same walk over the config also yields every tensor's :class:`WeightSpec`
+alone (:func:`weight_specs`): ``load_format="dummy"`` draws each one on the
+device when the model asks for it (``models/weight_source.py``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +26,51 @@ import torch
 from kvwarden.models.config import ATTENTION, GATED_DELTANET, ModelConfig
 from kvwarden.models.make_hybrid import Init
 
-Draw = Callable[..., torch.Tensor]
+Draw = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """How one tensor is drawn: ``normal`` (``std`` times a standard normal, plus ``offset``),
+    ``log_uniform`` (``log`` of a uniform draw in ``[low, high)``: a decay's ``A_log``), or ``copy`` of
+    the tensor named ``source`` (the MTP layer's embedding and head)."""
+
+    shape: tuple[int, ...]
+    kind: str = "normal"
+    std: float = 1.0
+    offset: float = 0.0
+    low: float = 0.0
+    high: float = 1.0
+    source: str = ""
+
+
+class _Drawer:
+    """Draws tensors in the walk's order from one seeded generator (the checkpoint writer)."""
+
+    def __init__(self, seed: int, dtype: torch.dtype) -> None:
+        self.init, self.dtype = Init(seed), dtype
+
+    def normal(self, *shape: int, std: float, offset: float = 0.0) -> torch.Tensor:
+        return self.init.normal(*shape, std=std).add_(offset).to(self.dtype)  # in place: the sums of `+ offset`
+
+    def log_uniform(self, *shape: int, low: float, high: float) -> torch.Tensor:
+        return torch.log(self.init.uniform(*shape, low=low, high=high)).to(self.dtype)
+
+    def copy(self, w: dict[str, Any], name: str) -> torch.Tensor:
+        return w[name].clone()
+
+
+class _Recorder:
+    """Records each tensor's :class:`WeightSpec` instead of drawing it."""
+
+    def normal(self, *shape: int, std: float, offset: float = 0.0) -> WeightSpec:
+        return WeightSpec(tuple(shape), std=std, offset=offset)
+
+    def log_uniform(self, *shape: int, low: float, high: float) -> WeightSpec:
+        return WeightSpec(tuple(shape), kind="log_uniform", low=low, high=high)
+
+    def copy(self, w: dict[str, Any], name: str) -> WeightSpec:
+        return WeightSpec(w[name].shape, kind="copy", source=name)
 
 
 def cut_layers(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -57,19 +104,23 @@ def cut_layers(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return out
 
 
-def random_checkpoint(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_checkpoint(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, Any]:
     """Seeded weights for ``cfg`` (scaled so activations stay O(1)), in ``dtype``."""
-    mc = ModelConfig.from_dict(cfg)
-    init = Init(seed)
+    return _walk(ModelConfig.from_dict(cfg), _Drawer(seed, dtype))
 
-    def draw(*shape: int, std: float, offset: float = 0.0) -> torch.Tensor:
-        return init.normal(*shape, std=std).add_(offset).to(dtype)  # in place: the same sums as `+ offset`
 
+def weight_specs(mc: ModelConfig) -> dict[str, WeightSpec]:
+    """Every tensor of a checkpoint of ``mc`` (MTP layer included) with how :func:`random_checkpoint` draws it."""
+    return _walk(mc, _Recorder())
+
+
+def _walk(mc: ModelConfig, drawer: Any) -> dict[str, Any]:
+    draw = drawer.normal
     h, vocab = mc.hidden_size, mc.vocab_size
     offset = 0.0 if mc.norm_offset else 1.0  # Qwen3-Next and Qwen3.5 norms are applied as 1 + w
     # A tied embedding is also the LM head: drawn at the head's scale so that logits are O(1) and the
     # distributions not one-hot (the first RMSNorm makes the input side scale-free either way).
-    w: dict[str, torch.Tensor] = {
+    w: dict[str, Any] = {
         "model.embed_tokens.weight": draw(vocab, h, std=2.0 * h**-0.5 if mc.tie_word_embeddings else 1.0)
     }
     for i, kind in enumerate(mc.layer_types):
@@ -81,25 +132,25 @@ def random_checkpoint(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dic
         elif kind == ATTENTION:
             _attention(w, f"{p}.self_attn", mc, draw, offset)
         elif kind == GATED_DELTANET:
-            _gated_deltanet(w, f"{p}.linear_attn", mc, draw, init, split=mc.architecture == "Qwen3_5ForCausalLM")
+            _gated_deltanet(w, f"{p}.linear_attn", mc, drawer, split=mc.architecture == "Qwen3_5ForCausalLM")
         else:
-            _mamba2(w, f"{p}.mamba", mc, draw, init)
+            _mamba2(w, f"{p}.mamba", mc, drawer)
         _ffn(w, p, mc, i, draw)
     w["model.norm.weight"] = draw(h, std=0.1, offset=offset)
     if not mc.tie_word_embeddings:
         w["lm_head.weight"] = draw(vocab, h, std=2.0 * h**-0.5)
     if mc.mtp_layers and mc.mla is not None:
-        _deepseek_mtp(w, mc, draw)
+        _deepseek_mtp(w, mc, drawer)
     return w
 
 
-def _deepseek_mtp(w: dict[str, torch.Tensor], mc: ModelConfig, draw: Draw) -> None:
+def _deepseek_mtp(w: dict[str, Any], mc: ModelConfig, drawer: Any) -> None:
     """DeepSeek's MTP layer (GLM-5, DeepSeek-V3.2) as layer ``num_hidden_layers``: its own copies of the
     embedding and LM head (equal to the model's, as in published checkpoints), the two input norms and
     ``eh_proj``, and a decoder layer of the model's kind."""
-    h, n = mc.hidden_size, mc.num_hidden_layers
+    h, n, draw = mc.hidden_size, mc.num_hidden_layers, drawer.normal
     p, layer = f"model.layers.{n}", mc.with_mtp_layer()
-    w[f"{p}.embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+    w[f"{p}.embed_tokens.weight"] = drawer.copy(w, "model.embed_tokens.weight")
     w[f"{p}.enorm.weight"] = draw(h, std=0.1, offset=1.0)
     w[f"{p}.hnorm.weight"] = draw(h, std=0.1, offset=1.0)
     w[f"{p}.eh_proj.weight"] = draw(h, 2 * h, std=(2 * h) ** -0.5)
@@ -108,10 +159,12 @@ def _deepseek_mtp(w: dict[str, torch.Tensor], mc: ModelConfig, draw: Draw) -> No
     _mla(w, f"{p}.self_attn", layer, n, draw)
     _ffn(w, p, layer, n, draw)
     w[f"{p}.shared_head.norm.weight"] = draw(h, std=0.1, offset=1.0)
-    w[f"{p}.shared_head.head.weight"] = w.get("lm_head.weight", w["model.embed_tokens.weight"]).clone()
+    w[f"{p}.shared_head.head.weight"] = drawer.copy(
+        w, "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
+    )
 
 
-def _attention(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, offset: float) -> None:
+def _attention(w: dict[str, Any], p: str, mc: ModelConfig, draw: Draw, offset: float) -> None:
     h, d = mc.hidden_size, mc.head_dim
     q_rows = mc.num_attention_heads * d * (2 if mc.attn_output_gate else 1)
     kv_rows = mc.num_key_value_heads * d
@@ -127,7 +180,7 @@ def _attention(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, 
         w[f"{p}.k_norm.weight"] = draw(d, std=0.1, offset=offset)
 
 
-def _mla(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, i: int, draw: Draw) -> None:
+def _mla(w: dict[str, Any], p: str, mc: ModelConfig, i: int, draw: Draw) -> None:
     """GLM-5's latent attention and, on a full layer, its lightning indexer (transformers' names)."""
     m, h, heads = mc.mla, mc.hidden_size, mc.num_attention_heads
     assert m is not None
@@ -149,8 +202,8 @@ def _mla(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, i: int, draw: Draw
         w[f"{p}.indexer.weights_proj.weight"] = draw(m.index_n_heads, h, std=h**-0.5)
 
 
-def _gated_deltanet(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, init: Init, split: bool) -> None:
-    g, h = mc.gated_deltanet, mc.hidden_size
+def _gated_deltanet(w: dict[str, Any], p: str, mc: ModelConfig, drawer: Any, split: bool) -> None:
+    g, h, draw = mc.gated_deltanet, mc.hidden_size, drawer.normal
     assert g is not None
     hv, dv = g.num_value_heads, g.value_head_dim
     if split:  # Qwen3.5: q | k | v, then z, b and a each on its own
@@ -163,13 +216,13 @@ def _gated_deltanet(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: D
         w[f"{p}.in_proj_ba.weight"] = draw(2 * hv, h, std=h**-0.5)
     w[f"{p}.conv1d.weight"] = draw(g.conv_dim, 1, g.conv_kernel, std=0.5)
     w[f"{p}.dt_bias"] = draw(hv, std=0.5)
-    w[f"{p}.A_log"] = torch.log(init.uniform(hv, low=1.0, high=5.0)).to(w[f"{p}.dt_bias"].dtype)
+    w[f"{p}.A_log"] = drawer.log_uniform(hv, low=1.0, high=5.0)
     w[f"{p}.norm.weight"] = draw(dv, std=0.1, offset=1.0)
     w[f"{p}.out_proj.weight"] = draw(h, hv * dv, std=(hv * dv) ** -0.5)
 
 
-def _mamba2(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, init: Init) -> None:
-    m, h = mc.mamba2, mc.hidden_size
+def _mamba2(w: dict[str, Any], p: str, mc: ModelConfig, drawer: Any) -> None:
+    m, h, draw = mc.mamba2, mc.hidden_size, drawer.normal
     assert m is not None
     w[f"{p}.in_proj.weight"] = draw(m.inner + m.conv_dim + m.num_heads, h, std=h**-0.5)
     if m.proj_bias:
@@ -178,7 +231,7 @@ def _mamba2(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, ini
     if m.conv_bias:
         w[f"{p}.conv1d.bias"] = draw(m.conv_dim, std=0.1)
     w[f"{p}.dt_bias"] = draw(m.num_heads, std=0.5)
-    w[f"{p}.A_log"] = torch.log(init.uniform(m.num_heads, low=1.0, high=5.0)).to(w[f"{p}.dt_bias"].dtype)
+    w[f"{p}.A_log"] = drawer.log_uniform(m.num_heads, low=1.0, high=5.0)
     w[f"{p}.D"] = draw(m.num_heads, std=0.1, offset=1.0)
     w[f"{p}.norm.weight"] = draw(m.inner, std=0.1, offset=1.0)
     w[f"{p}.out_proj.weight"] = draw(h, m.inner, std=m.inner**-0.5)
@@ -186,14 +239,14 @@ def _mamba2(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, draw: Draw, ini
         w[f"{p}.out_proj.bias"] = draw(h, std=0.1)
 
 
-def _swiglu(w: dict[str, torch.Tensor], p: str, h: int, inter: int, draw: Draw, bias: bool = False) -> None:
+def _swiglu(w: dict[str, Any], p: str, h: int, inter: int, draw: Draw, bias: bool = False) -> None:
     for name, rows, cols in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
         w[f"{p}.{name}.weight"] = draw(rows, cols, std=cols**-0.5)
         if bias:
             w[f"{p}.{name}.bias"] = draw(rows, std=0.1)
 
 
-def _ffn(w: dict[str, torch.Tensor], p: str, mc: ModelConfig, i: int, draw: Draw) -> None:
+def _ffn(w: dict[str, Any], p: str, mc: ModelConfig, i: int, draw: Draw) -> None:
     h, moe = mc.hidden_size, mc.moe
     if mc.architecture == "GraniteMoeHybridForCausalLM":
         inter = mc.intermediate_size  # the shared MLP's

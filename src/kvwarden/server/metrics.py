@@ -45,6 +45,11 @@ _GAUGES = {
     "host_blocks_cached": ("host_kv_blocks_cached", "KV blocks held by the host tier (--host-cache-bytes)"),
     "kv_cache_bytes": ("kv_cache_bytes", "Bytes of this engine's paged KV tensors, every attention layer"),
     "prefix_cache_capacity_tokens": ("prefix_cache_capacity_tokens", "Tokens the KV pool (the prefix cache) holds"),
+    "tensor_parallel_size": ("tensor_parallel_size", "Tensor-parallel ranks of this engine (1 without)"),
+    "tensor_parallel_gathered_bytes": (
+        "tensor_parallel_gathered_bytes",
+        "Bytes rank 0 received in the tensor-parallel all-gathers so far (the rank-count-invariant exchange)",
+    ),
 }
 
 

@@ -6,6 +6,7 @@
 * :mod:`.layer_split` - each rank storing every n-th layer; the view buffers, the owners' prefetched broadcasts.
 * :mod:`.step` - one step on this rank: its share through the model, caches whole or split.
 * :mod:`.messages` - what rank 0 posts to the store, as JSON.
+* :mod:`.workers` - rank 0's worker processes (also tensor parallelism's): started, watched, told, stopped.
 * :mod:`.coordinator` - rank 0: starts the workers, splits eligible steps, syncs the others.
 * :mod:`.worker` - ranks 1..: the same model and cache, running rank 0's messages.
 """

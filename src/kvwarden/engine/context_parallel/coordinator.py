@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
-import sys
-import time
-import weakref
 from typing import Any
 
 import torch
@@ -19,6 +15,7 @@ from kvwarden.engine.context_parallel.group import COLLECTIVE_TIMEOUT_S, RankGro
 from kvwarden.engine.context_parallel.layer_split import LayerSplitKV, layer_split_kv, owned_layers
 from kvwarden.engine.context_parallel.messages import FORWARD, STOP, SYNC, encode_setup, encode_step
 from kvwarden.engine.context_parallel.step import forward_share
+from kvwarden.engine.context_parallel.workers import RankWorkers
 from kvwarden.engine.model_runner import BatchEntry, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -63,54 +60,24 @@ class ContextParallel:
         self.group: RankGroup | None = None
         self.broken: str | None = None
         self._step = 0
-        self.store = RankGroup.open_store(self.world, COLLECTIVE_TIMEOUT_S)
         threads = max(1, (os.cpu_count() or 1) // self.world)
-        self.store.set("config", encode_setup(config, num_blocks, threads))
-        self.procs = [self._spawn(rank) for rank in range(1, self.world)]
-        self._finalizer = weakref.finalize(self, _stop_all, self.procs)
-        self._wait_ready()
+        self.workers = RankWorkers(
+            "kvwarden.engine.context_parallel.worker", self.world, encode_setup(config, num_blocks, threads),
+            "context-parallel",
+        )  # fmt: skip
+        self.store = self.workers.store
+        self.workers.wait_ready()
         self.group = RankGroup(self.store, 0, self.world, runner.device, COLLECTIVE_TIMEOUT_S)
         self.every_step = par.layer_split
         self.layers = layer_split_kv(runner, self.store, 0, config) if par.layer_split else None
         self.split_steps = 0
         log.info("context parallelism: %d ranks, steps of >= %d rows split", self.world, self.min_tokens)
 
-    def _spawn(self, rank: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "kvwarden.engine.context_parallel.worker", "--port", str(self.store.port)]
-        cmd += ["--rank", str(rank), "--world", str(self.world), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
-        # its own session: a Ctrl-C meant for the server reaches rank 0 alone, which then stops the workers
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = set(range(1, self.world))
-        while waiting:
-            for rank in sorted(waiting):
-                if self.store.check([f"ready{rank}"]):
-                    waiting.discard(rank)
-            failed = self._failure()
-            if failed:
-                self.close()
-                raise RuntimeError(failed)
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"context parallelism: ranks {sorted(waiting)} not ready in {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
-
-    def _failure(self) -> str | None:
-        """A worker's reported error (its traceback), or which one exited, or None."""
-        for rank, proc in enumerate(self.procs, start=1):
-            if self.store.check([f"error{rank}"]):
-                return f"context-parallel rank {rank} failed:\n{self.store.get(f'error{rank}').decode()}"
-            if proc.poll() is not None:
-                return f"context-parallel rank {rank} exited with code {proc.returncode}"
-        return None
-
     def eligible(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows is split (else rank 0 runs it and :meth:`sync` copies its K/V)."""
         return rows >= self.min_tokens
 
-    def forward(self, entries: list[BatchEntry], split: bool) -> torch.Tensor:
+    def forward(self, entries: list[BatchEntry], split: bool, want_rows: list[int] | None = None) -> torch.Tensor:
         """The step's final hidden rows ``[rows, hidden]``: each rank computing its share (``split``), or
         rank 0 all of them with the others serving their layers (layer split, a short step)."""
         self._post(encode_step(FORWARD, entries, split))
@@ -135,8 +102,8 @@ class ContextParallel:
     def _break(self, what: str, cause: BaseException) -> RuntimeError:
         """A step failed part-way: the ranks may stand at different collectives, so the group cannot be
         reused (a later collective would pair with a stale one). End the workers; every later step fails."""
-        self.broken = f"context-parallel {what} failed: {self._failure() or cause!r}"
-        self._finalizer()
+        self.broken = f"context-parallel {what} failed: {self.workers.failure() or cause!r}"
+        self.workers.stop()
         return RuntimeError(self.broken)
 
     def stats(self) -> dict[str, Any]:
@@ -149,6 +116,8 @@ class ContextParallel:
             per_layer = max(sum(t.numel() * t.element_size() for t in kv.raw(i)) for i in range(layers))
             per_rank = [len(owned_layers(r, n, layers)) * per_layer for r in range(n)]
         return {
+            "tensor_parallel_size": 1,
+            "tensor_parallel_gathered_bytes": 0,
             "context_parallel_size": n,
             "kv_cache_bytes_per_rank": per_rank,
             "layer_split_buffer_bytes": self.layers.peak_buffer_bytes if self.layers is not None else 0,
@@ -159,6 +128,8 @@ class ContextParallel:
     def single_rank_stats(runner: ModelRunner) -> dict[str, Any]:
         """The same keys without context parallelism."""
         return {
+            "tensor_parallel_size": 1,
+            "tensor_parallel_gathered_bytes": 0,
             "context_parallel_size": 1,
             "kv_cache_bytes_per_rank": [runner.kv_caches.nbytes],
             "layer_split_buffer_bytes": 0,
@@ -166,25 +137,15 @@ class ContextParallel:
         }
 
     def _post(self, data: bytes) -> None:
-        """One key per worker (``step{n}/{rank}``): each worker deletes its own after reading it."""
         if self.broken is not None:
             raise RuntimeError(f"{self.broken} (the context-parallel ranks are stopped; build a new engine)")
         if self.group is None:
             raise RuntimeError("context parallelism: the engine was closed")
-        for rank in range(1, self.world):
-            self.store.set(f"step{self._step}/{rank}", data)
-        self._step += 1
+        self.workers.post(data)
 
     def close(self) -> None:
         """Stop the workers (each ends its loop on the stop message), the groups and the store (idempotent)."""
-        if self._finalizer.alive and self.broken is None:
-            try:
-                self._post(encode_step(STOP))
-                for proc in self.procs:
-                    proc.wait(timeout=10)
-            except Exception:  # the store is gone or a worker is stuck: the finalizer ends them
-                pass
-        self._finalizer()
+        self.workers.stop(encode_step(STOP) if self.broken is None and self.group is not None else None)
         if self.layers is not None:
             self.layers.prefetch.close()
         for group in (self.group, self.layers.prefetch.group if self.layers is not None else None):
@@ -193,17 +154,3 @@ class ContextParallel:
                     group.close()
         self.group = self.layers = None  # type: ignore[assignment]
         self.store = None  # type: ignore[assignment]  # its listening socket closes with it
-
-
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    """Garbage collection or interpreter exit without :meth:`ContextParallel.close`: end the workers now
-    (they hold nothing worth keeping: a copy of the weights and of rank 0's cache)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

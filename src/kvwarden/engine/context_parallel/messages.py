@@ -31,6 +31,8 @@ def encode_setup(config: EngineConfig, num_blocks: int, threads: int) -> bytes:
     setup: dict[str, Any] = {
         "model": config.model,
         "dtype": config.dtype,
+        "load_format": config.load_format,
+        "seed": config.seed,
         "max_model_len": config.max_model_len,
         "device": config.device,
         "block_size": config.cache.block_size,
@@ -48,6 +50,8 @@ def decode_setup(data: bytes) -> tuple[EngineConfig, int, int]:
     config = EngineConfig(
         model=s["model"],
         dtype=s["dtype"],
+        load_format=s["load_format"],
+        seed=s["seed"],
         max_model_len=s["max_model_len"],
         device=s["device"],
         cache=CacheConfig(block_size=s["block_size"]),

@@ -28,8 +28,7 @@ from kvwarden.engine.context_parallel.messages import FORWARD, STOP, decode_setu
 from kvwarden.engine.context_parallel.step import forward_share
 from kvwarden.engine.model_runner import ModelRunner
 from kvwarden.layers.backends import make_ops
-from kvwarden.models.loader import load
-from kvwarden.models.sources import resolve_model
+from kvwarden.models.loader import load_for
 
 # Rank 0 may idle for days between requests: a worker's wait for the next message has no useful bound.
 IDLE_TIMEOUT_S = 365 * 24 * 3600.0
@@ -38,7 +37,7 @@ IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 def build_runner(config: EngineConfig, num_blocks: int, rank: int) -> ModelRunner:
     """The model and a KV cache of rank 0's size, eager (no graphs: split steps run outside them)."""
     ops = make_ops(config.numerics, resolve_device(config.device))
-    loaded = load(resolve_model(config.model), config.dtype, ops, config.max_model_len)
+    loaded = load_for(config, ops)
     par, layers = config.parallel, loaded.model.num_attention_layers
     owned = owned_layers(rank, par.context_parallel_size, layers) if par.layer_split else None
     return ModelRunner(loaded.model, num_blocks, config.cache.block_size, config.numerics, owned_layers=owned)

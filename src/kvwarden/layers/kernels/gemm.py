@@ -35,6 +35,14 @@ NOTE(invariance), by construction:
   batch.)
 * float32 models use ``input_precision="ieee"`` (no TF32 rounding of the
   inputs), bfloat16 models the tensor cores' bf16 x bf16 -> fp32 path.
+* FP8 block-quantized weights (W8A16, ``models/quant.py``): each weight tile
+  is dequantized in registers, element by element, exactly as the CPU
+  dequantizes at load (``float32(q) * scale``, rounded once to the model's
+  dtype), then enters the same ``tl.dot`` steps. A scale belongs to the
+  weight, never to the batch, so the product of a row is the dense model's
+  on the dequantized weights, bit for bit, with the same tiles and splits.
+  Activations are not quantized: per-token activation scales (W8A8) would be
+  row-local too, but change the answer against the dequantized model.
 
 cuBLAS may choose split-K or another algorithm by problem size (and, for
 float32, row results were measured to differ for M <= 256 on an H200): it only
@@ -51,6 +59,7 @@ import triton
 import triton.language as tl
 
 from kvwarden.intmath import cdiv
+from kvwarden.layers.fp8 import BlockFp8
 from kvwarden.layers.kernels.gemm_config import (  # noqa: F401 (re-exported: gemm.gemm_config, gemm.GemmConfig, ...)
     GemmConfig,
     gemm_config,
@@ -89,11 +98,26 @@ def dot_acc(x, w, acc, BY_SUM: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K: tl.constexpr):
-    """``acc += x[rm, k0:k0+BLOCK_K] @ w[rn, k0:k0+BLOCK_K].T``, in float32."""
+def dequant_tile(w, s_rows, rk, mask, QBK: tl.constexpr, out_ty: tl.constexpr):
+    """An FP8 weight tile ``w`` (columns ``rk``) as ``(float32(w) * scale).to(out_ty)``: ``s_rows`` points at
+    each column's row of block scales (``[1, BN]``), the block of column ``k`` is ``k // QBK``. This is
+    models/quant.py's ``dequantize`` element by element (the same IEEE multiply, one rounding), so the tile
+    holds the dequantized checkpoint's bits and the product after it is the dense model's."""
+    s = tl.load(s_rows + rk // QBK, mask=mask, other=1.0)
+    return (w.to(tl.float32) * s).to(out_ty)
+
+
+@triton.jit
+def _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K: tl.constexpr,
+         s_rows, SCALED: tl.constexpr, QBK: tl.constexpr):  # fmt: skip
+    """``acc += x[rm, k0:k0+BLOCK_K] @ w[rn, k0:k0+BLOCK_K].T``, in float32; ``SCALED``: ``w`` is FP8 and
+    ``s_rows`` its columns' block-scale rows (:func:`dequant_tile`)."""
     rk = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-    w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+    wmask = (rn[None, :] < N) & (rk[:, None] < K)
+    w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=wmask, other=0.0)
+    if SCALED:
+        w = dequant_tile(w, s_rows, rk[:, None], wmask, QBK, x.dtype)
     return dot_acc(x, w, acc, BY_SUM, IEEE)
 
 
@@ -117,10 +141,10 @@ def _store(total, total_up, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    stride_xh, stride_wh, stride_yh,
+    stride_xh, stride_wh, stride_yh, s_ptr, stride_sn,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BY_SUM: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     PARALLEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GLU: tl.constexpr,
+    GLU: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     # axis 1 walks (head, output tile): a head-batched launch (linear_heads) is one GEMM per head, each
@@ -136,13 +160,19 @@ def _linear_kernel(
     # GLU (linear_swiglu): a weight of 2N rows, gate then up; this program also runs the up rows' columns
     # (rn + N) through the very same steps, so each output keeps its unfused bits, and the epilogue fuses SwiGLU
     u_ptr = w_ptr + N * stride_wn
+    # FP8 weights (never head-batched): each column's row of block scales, the gate's rows counted from 0
+    # and the up rows from N of the stored weight (so a block may hold gate and up rows alike)
+    sg = s_ptr + ((rn[None, :] // QBN) * stride_sn).to(tl.int64)
+    su = s_ptr + (((N + rn[None, :]) // QBN) * stride_sn).to(tl.int64)
     if SPLIT_BLOCKS == 0:  # one split (all of K): the partial is the total, walked with the loop pipelined
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K,
+                       sg, SCALED, QBK)  # fmt: skip
             if GLU:
-                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K,
+                             su, SCALED, QBK)  # fmt: skip
         _store(acc, acc_u, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU)
     elif not PARALLEL:  # walked: one loop over K (pipelined); a split's partial joins the total where it ends
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -150,12 +180,14 @@ def _linear_kernel(
         total_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K,
+                       sg, SCALED, QBK)  # fmt: skip
             end = ((k0 + BLOCK_K) % (SPLIT_BLOCKS * BLOCK_K) == 0) | (k0 + BLOCK_K >= K)
             total = tl.where(end, total + acc, total)
             acc = tl.where(end, 0.0, acc)  # the next split's partial starts from zero, as in its own program
             if GLU:
-                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K,
+                             su, SCALED, QBK)  # fmt: skip
                 total_u = tl.where(end, total_u + acc_u, total_u)
                 acc_u = tl.where(end, 0.0, acc_u)
         _store(total, total_u, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, GLU)
@@ -166,9 +198,11 @@ def _linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + SPLIT_BLOCKS * BLOCK_K, K), BLOCK_K):
-            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+            acc = _mac(acc, x_ptr, w_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K,
+                       sg, SCALED, QBK)  # fmt: skip
             if GLU:
-                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K)
+                acc_u = _mac(acc_u, x_ptr, u_ptr, rm, rn, k0, M, N, K, stride_xm, stride_wn, IEEE, BY_SUM, BLOCK_K,
+                             su, SCALED, QBK)  # fmt: skip
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         row_n = rm[:, None].to(tl.int64) * N + rn[None, :]
         part_ptr += head * nsplit * M * N
@@ -199,7 +233,7 @@ def device_name(device: torch.device) -> str:
 
 def launch(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | BlockFp8,
     bias: torch.Tensor | None,
     cfg: GemmConfig,
     parallel: bool = False,
@@ -217,6 +251,11 @@ def launch(
     (:func:`launch_config`); any other value changes the bits (``bench/gemm_split.py`` times the
     unsplit kernel with it).
     """
+    scale, qbn, qbk = None, 1, 1
+    if isinstance(weight, BlockFp8):
+        if x.dim() == 3:
+            raise ValueError("a head-batched GEMM takes no FP8 weight (dequantize it at load)")
+        weight, scale, (qbn, qbk) = weight.q, weight.scale, weight.block
     heads = x.shape[1] if x.dim() == 3 else 1
     m, k = x.shape[0], x.shape[-1]
     n = weight.shape[-2]  # the weight's rows: the splits and the form follow them, fused or not
@@ -243,8 +282,10 @@ def launch(
         x, weight, bias if bias is not None else y, y, part, counters if counters is not None else y,
         m, n_out, k, x.stride(0), weight.stride(-2), y.stride(0),
         x.stride(1) if batched else 0, weight.stride(0) if batched else 0, y.stride(1) if batched else 0,
+        scale if scale is not None else y, scale.stride(0) if scale is not None else 0,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BY_SUM=INTERPRETED, SPLIT_BLOCKS=blocks,
         PARALLEL=parallel, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GLU=glu,
+        SCALED=scale is not None, QBN=qbn, QBK=qbk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
@@ -252,7 +293,7 @@ def launch(
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | BlockFp8,
     bias: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     parallel: bool | None = None,
@@ -266,7 +307,8 @@ def linear(
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    if not isinstance(weight, BlockFp8) and weight.stride(-1) != 1:
+        weight = weight.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     cfg, blocks = launch_config(m, n, k, x.dtype, device_name(x.device))

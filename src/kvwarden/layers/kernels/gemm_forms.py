@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvwarden.intmath import cdiv
+from kvwarden.layers.fp8 import BlockFp8
 from kvwarden.layers.kernels import gemm, pointwise
 
 MIN_BLOCK_N = 16  # a matrix product's smallest tile side: linear_swiglu halves the fused weight's tiles
@@ -44,7 +45,10 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor |
 
 
 def linear_swiglu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, counters: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | BlockFp8,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ weight.T (+ bias)`` for a fused ``[gate; up]`` weight ``[2N, K]``, in one
     launch: ``[M, N]`` in ``x``'s dtype.
@@ -55,7 +59,8 @@ def linear_swiglu(
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    if not isinstance(weight, BlockFp8) and weight.stride(-1) != 1:
+        weight = weight.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     if n % 2:

@@ -19,6 +19,9 @@ NOTE(invariance), by construction:
   the matrix instruction computes every row of its tile alike, so neither the
   other pairs in the tile (how many tokens chose the expert, which ones) nor the
   tile's position matter - the argument of ``kernels/gemm.py``.
+* FP8 experts (``layers/fp8.py``): each weight tile is dequantized in registers
+  exactly as the dense path dequantizes at load (``gemm.dequant_tile``), from
+  the expert's own block scales; the pair's arithmetic is the dense model's.
 * Rounding points are those of the unfused layers: ``gate`` and ``up`` rounded to
   the model dtype, then SwiGLU as ``kernels/pointwise.py`` computes it; the down
   projection rounded, then times the routing weight, rounded; ranks added
@@ -32,11 +35,14 @@ NOTE(invariance), by construction:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from kvwarden.layers.kernels.gemm import INTERPRETED, dot_acc
+from kvwarden.layers.fp8 import BlockFp8
+from kvwarden.layers.kernels.gemm import INTERPRETED, dequant_tile, dot_acc
 
 STEPS = 24  # binary-search steps: enough for 16M pairs (a constant: no recompiles as the batch changes)
 
@@ -69,8 +75,9 @@ def _tile(block_expert_ptr, block_first_ptr, nrows, order_ptr, BM: tl.constexpr)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, x_stride, w_ptr, act_ptr, order_ptr, block_expert_ptr, block_first_ptr, block_rows_ptr, num_pairs,
+    s_ptr, s_stride_e, s_stride_n,
     INTER: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BY_SUM: tl.constexpr, IEEE: tl.constexpr,
+    BY_SUM: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
 ):  # fmt: skip
     nrows = tl.load(block_rows_ptr + tl.program_id(0))
     if nrows > 0:  # the fixed grid's spare tiles stop here
@@ -79,6 +86,9 @@ def _gate_up_kernel(
         nmask = rn < INTER
         token = (pair // TOPK).to(tl.int64)
         w_base = w_ptr + e.to(tl.int64) * (2 * INTER * H)
+        s_base = s_ptr + e.to(tl.int64) * s_stride_e
+        sg = s_base + (rn[None, :] // QBN) * s_stride_n  # each column's row of block scales (FP8 only)
+        su = s_base + ((INTER + rn[None, :]) // QBN) * s_stride_n
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -90,6 +100,9 @@ def _gate_up_kernel(
             wmask = nmask[None, :] & kmask[:, None]
             wg = tl.load(w_base + rn[None, :] * H + rk[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_base + (INTER + rn[None, :]) * H + rk[:, None], mask=wmask, other=0.0)
+            if SCALED:
+                wg = dequant_tile(wg, sg, rk[:, None], wmask, QBK, x.dtype)
+                wu = dequant_tile(wu, su, rk[:, None], wmask, QBK, x.dtype)
             acc_g = dot_acc(x, wg, acc_g, BY_SUM, IEEE)
             acc_u = dot_acc(x, wu, acc_u, BY_SUM, IEEE)
         out_ty = act_ptr.dtype.element_ty
@@ -103,8 +116,9 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, w_ptr, weight_ptr, out_ptr, order_ptr, block_expert_ptr, block_first_ptr, block_rows_ptr, num_pairs,
+    s_ptr, s_stride_e, s_stride_n,
     INTER: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BY_SUM: tl.constexpr, IEEE: tl.constexpr,
+    BY_SUM: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
 ):  # fmt: skip
     nrows = tl.load(block_rows_ptr + tl.program_id(0))
     if nrows > 0:  # the fixed grid's spare tiles stop here
@@ -112,6 +126,7 @@ def _down_kernel(
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < H
         w_base = w_ptr + e.to(tl.int64) * (H * INTER)
+        s_rows = s_ptr + e.to(tl.int64) * s_stride_e + (rn[None, :] // QBN) * s_stride_n
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, INTER, BK):
             rk = k0 + tl.arange(0, BK)
@@ -119,7 +134,10 @@ def _down_kernel(
             a = tl.load(
                 act_ptr + sorted_idx[:, None] * INTER + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0
             )
-            w = tl.load(w_base + rn[None, :] * INTER + rk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+            wmask = nmask[None, :] & kmask[:, None]
+            w = tl.load(w_base + rn[None, :] * INTER + rk[:, None], mask=wmask, other=0.0)
+            if SCALED:
+                w = dequant_tile(w, s_rows, rk[:, None], wmask, QBK, a.dtype)
             acc = dot_acc(a, w, acc, BY_SUM, IEEE)
         out_ty = out_ptr.dtype.element_ty
         rw = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)
@@ -257,18 +275,27 @@ def dispatch(chosen: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Ten
     return order.to(torch.int32), meta[0], meta[1], meta[2]
 
 
+def _scaled(w: torch.Tensor | BlockFp8, placeholder: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any], tuple]:
+    """``(weight, FP8 constexprs, (scale, expert stride, row stride))`` of a stacked expert weight."""
+    if not isinstance(w, BlockFp8):
+        return w, {"SCALED": False, "QBN": 1, "QBK": 1}, (placeholder, 0, 0)
+    s = w.scale.contiguous()
+    return w.q, {"SCALED": True, "QBN": w.block[0], "QBK": w.block[1]}, (s, s.stride(0), s.stride(1))
+
+
 def experts(
     x: torch.Tensor,
     chosen: torch.Tensor,
     weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | BlockFp8,
+    w_down: torch.Tensor | BlockFp8,
 ) -> torch.Tensor:
     """Every (token, rank) pair through its expert: ``[rows, topk, H]``, each already times its routing weight.
 
     Args:
         x: ``[rows, H]``; chosen: ``[rows, topk]`` expert ids; weights: ``[rows, topk]`` in ``x``'s dtype.
-        w_gate_up: ``[E, 2I, H]`` (gate rows, then up rows); w_down: ``[E, H, I]``.
+        w_gate_up: ``[E, 2I, H]`` (gate rows, then up rows); w_down: ``[E, H, I]``; either FP8 with block
+            scales (``layers/fp8.py``).
     """
     rows, h = x.shape
     num_experts, two_i, _ = w_gate_up.shape
@@ -283,14 +310,16 @@ def experts(
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     bn, bk = _block_nk(inter, h, x.dtype)
+    w, fp8, scales = _scaled(w_gate_up, out)
     _gate_up_kernel[(expert.shape[0], triton.cdiv(inter, bn))](
-        x, x.stride(0), w_gate_up, act, order, expert, first, nrows, pairs,
-        INTER=inter, H=h, TOPK=topk, BM=bm, BN=bn, BK=bk, BY_SUM=INTERPRETED, IEEE=ieee,
+        x, x.stride(0), w, act, order, expert, first, nrows, pairs, *scales,
+        INTER=inter, H=h, TOPK=topk, BM=bm, BN=bn, BK=bk, BY_SUM=INTERPRETED, IEEE=ieee, **fp8,
     )  # fmt: skip
     bn, bk = _block_nk(h, inter, x.dtype)
+    w, fp8, scales = _scaled(w_down, out)
     _down_kernel[(expert.shape[0], triton.cdiv(h, bn))](
-        act, w_down, weights.contiguous(), out, order, expert, first, nrows, pairs,
-        INTER=inter, H=h, BM=bm, BN=bn, BK=bk, BY_SUM=INTERPRETED, IEEE=ieee,
+        act, w, weights.contiguous(), out, order, expert, first, nrows, pairs, *scales,
+        INTER=inter, H=h, BM=bm, BN=bn, BK=bk, BY_SUM=INTERPRETED, IEEE=ieee, **fp8,
     )  # fmt: skip
     return out
 
