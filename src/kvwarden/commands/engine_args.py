@@ -143,7 +143,8 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         default=1,
         metavar="N",
         help="shard every layer's weights and KV heads across N processes of this host (CPU, gloo on "
-        "loopback); the logits are bitwise those of 1 (docs/parallelism.md). Dense and MoE attention models",
+        "loopback); the logits are bitwise those of 1 (docs/parallelism.md). Attention models: dense, MoE, GLM-5 / "
+        "DeepSeek-V3.2",
     )
     p.add_argument(
         "--enable-expert-parallel",

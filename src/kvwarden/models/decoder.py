@@ -46,7 +46,7 @@ class DecoderLayer:
         self.name = f"L{index}" if prefix.startswith("model.layers.") else prefix
         self.mixer: AttentionBlock | MlaBlock | GatedDeltaNetBlock | Mamba2Block
         if self.kind == ATTENTION and cfg.mla is not None:
-            self.mixer = MlaBlock(cfg, get, f"{prefix}.self_attn", ops, rope, index)
+            self.mixer = MlaBlock(cfg, get, f"{prefix}.self_attn", ops, rope, index, shard)
         elif self.kind == ATTENTION:
             self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope, shard)
         elif self.kind == GATED_DELTANET:

@@ -25,6 +25,7 @@ from kvwarden.layers.sparse_attention import (
 )
 from kvwarden.models.common import ForwardBatch, WeightGetter, require
 from kvwarden.models.config import MlaConfig, ModelConfig
+from kvwarden.models.tensor_shard import TensorShard
 
 # transformers builds the q / kv latent norms and the indexer's key LayerNorm with their own epsilon
 LATENT_EPS = 1e-6
@@ -82,9 +83,19 @@ class MlaBlock:
     attention, output projection."""
 
     def __init__(
-        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, rope: RotaryEmbedding | None, index: int
+        self,
+        cfg: ModelConfig,
+        get: WeightGetter,
+        prefix: str,
+        ops: Ops,
+        rope: RotaryEmbedding | None,
+        index: int,
+        shard: TensorShard | None = None,
     ) -> None:
+        """``shard``: under tensor parallelism ``cfg`` holds this rank's heads (``q_b_proj`` / ``kv_b_proj``
+        rows); the latent projections, the latent cache and the indexer are whole on every rank."""
         assert cfg.mla is not None and rope is not None
+        self.shard = shard or TensorShard()
         mla = self.mla = cfg.mla
         self.ops, self.rope, self.heads = ops, rope, cfg.num_attention_heads
         self.wq_a = require(get, f"{prefix}.q_a_proj.weight")
@@ -152,7 +163,10 @@ class MlaBlock:
         o_latent = o_latent.to(x.dtype)
         o = ops.linear_heads(o_latent, self.w_uv).reshape(rows, -1)
         batch.trace(f"{self.name}.core", o)
-        return ops.linear(o, self.wo)
+        if not self.shard.active:
+            return ops.linear(o, self.wo)
+        o = self.shard.gather(o, o.shape[1] * self.shard.world)  # NOTE(invariance): gathered, never summed
+        return self.shard.gather(ops.linear(o, self.wo), self.wo.shape[0] * self.shard.world)
 
     def _rope_rows(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[rows, rope / 2]`` of the step's positions in the model's dtype, gathered once a

@@ -88,11 +88,11 @@ def unsupported(cfg: ModelConfig, world: int, expert_parallel: bool) -> str | No
             "tensor_parallel_size: models with recurrent layers (gated DeltaNet / Mamba2: Qwen3-Next, Qwen3.5, "
             "Granite 4.0-H) are not sharded yet"
         )
-    if cfg.mla is not None:
-        return "tensor_parallel_size: latent attention with an indexer (GLM-5, DeepSeek-V3.2) is not sharded yet"
     if cfg.attn_output_gate:
         return "tensor_parallel_size: gated attention outputs are not sharded yet"
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if cfg.mla is not None:
+        kv = h  # latent attention: the heads' K/V come from one latent row every rank keeps whole
     if h % world:
         return f"tensor_parallel_size: {world} does not divide num_attention_heads ({h})"
     if kv % world and world % kv:
@@ -135,6 +135,16 @@ def kv_heads(cfg: ModelConfig, shard: TensorShard) -> slice:
     return slice(head, head + 1)
 
 
+def _latent_rows(cfg: ModelConfig, heads: slice) -> dict[str, slice]:
+    """GLM-5 / DeepSeek-V3.2: the heads' rows of ``q_b_proj`` and ``kv_b_proj`` (the latent projections, the
+    latent cache and the indexer are every rank's whole)."""
+    mla = cfg.mla
+    if mla is None:
+        return {}
+    q, kv = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    return {"q_b_proj": slice(heads.start * q, heads.stop * q), "kv_b_proj": slice(heads.start * kv, heads.stop * kv)}
+
+
 def shard_getter(get: Any, cfg: ModelConfig, shard: TensorShard) -> Any:
     """``get`` returning this rank's slice of each weight (the module note says which, and why)."""
     if not shard.active:
@@ -144,6 +154,7 @@ def shard_getter(get: Any, cfg: ModelConfig, shard: TensorShard) -> Any:
     kv = kv_heads(cfg, shard)
     rows = {
         "q_proj": slice(q_rows.start * d, q_rows.stop * d),
+        **_latent_rows(cfg, q_rows),
         "k_proj": slice(kv.start * d, kv.stop * d),
         "v_proj": slice(kv.start * d, kv.stop * d),
         "o_proj": shard.part(cfg.hidden_size),
