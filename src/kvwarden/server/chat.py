@@ -24,7 +24,7 @@ from kvwarden.server.formatting import (
     usage,
     with_spec,
 )
-from kvwarden.server.protocol import ApiError, ChatCompletionRequest
+from kvwarden.server.protocol import ApiError, ChatCompletionRequest, require_text
 from kvwarden.server.sse import EventStream, until_disconnected
 from kvwarden.server.streams import Job, choice_deltas, collect
 
@@ -36,6 +36,7 @@ class ChatCompletions:
 
     def _prompt(self, req: ChatCompletionRequest) -> list[int]:
         engine = self.engine.engine
+        require_text(req.messages, "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
@@ -48,6 +49,14 @@ class ChatCompletions:
     ) -> list[Job]:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
+        if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
+            raise ApiError(
+                400,
+                f"max_tokens ({req.max_tokens}) and max_completion_tokens ({req.max_completion_tokens}) disagree: "
+                "send one (max_tokens is the older name of max_completion_tokens)",
+                "max_completion_tokens",
+                "invalid_value",
+            )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(
             req,

@@ -24,7 +24,7 @@ from kvwarden.server.formatting import (
     usage,
     with_spec,
 )
-from kvwarden.server.protocol import ApiError, CompletionRequest
+from kvwarden.server.protocol import ApiError, CompletionRequest, require_text
 from kvwarden.server.sse import EventStream, until_disconnected
 from kvwarden.server.streams import Job, choice_deltas, collect
 
@@ -38,6 +38,7 @@ class Completions:
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         raw = req.prompt
+        require_text(raw, "prompt")
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             prompts: list[Any] = [raw]
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -79,6 +80,19 @@ def sampling_params(
         ApiError: 400 naming the API field.
     """
     refuse_unsupported(req)
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise ApiError(400, f"seed must be between -2**63 and 2**64 - 1, got {req.seed}", "seed", "invalid_value")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+    if structured is not None and req.stop:
+        # a stop string can cut the constrained output mid-way (a date's "-"), leaving text the grammar never
+        # allowed: refused, as ignore_eos is
+        raise ApiError(
+            400,
+            "stop cannot be combined with a structured output (the grammar ends the output)",
+            "stop",
+            "invalid_value",
+        )
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", "n", "invalid_value")
     if prompt_len >= max_model_len:
@@ -135,10 +149,15 @@ def sampling_params(
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of choice ``index`` of ``n``: distinct seeds so choices differ."""
+    """Params of choice ``index`` of ``n``: its own seed, a hash of ``(seed, index)``.
+
+    Choice 0 keeps the request's seed (an ``n = 1`` request's answer). The others take 63 bits of SHA-256 over
+    both numbers, not ``seed + index``: with that, ``seed=42, n=3`` and ``seed=43, n=3`` shared two samples.
+    """
     if index == 0 or params.seed is None:
         return params
-    return params.replace(seed=params.seed + index)
+    digest = hashlib.sha256(f"kvwarden-choice:{params.seed}:{index}".encode()).digest()
+    return params.replace(seed=int.from_bytes(digest[:8], "little") >> 1)
 
 
 def usage(
@@ -172,6 +191,14 @@ def with_spec(choice: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
     return choice
 
 
+def _first_per_text(top: TopLogprobs, token_text: TokenText) -> dict[str, float]:
+    """``{text: logprob}`` of a top list in rank order, the first (highest-ranked) token of each text kept."""
+    out: dict[str, float] = {}
+    for token, lp in top:
+        out.setdefault(token_text(token), lp)
+    return out
+
+
 def completion_logprobs(
     token_ids: list[int],
     sampled: list[float | None],
@@ -188,7 +215,9 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": sampled,
-        "top_logprobs": [None if top is None else {token_text(t): lp for t, lp in top} for top in tops],
+        # text keys can collide (two tokens with the same text): the highest-ranked one is kept (the list is in
+        # rank order, so the first), as return_tokens_as_token_ids avoids altogether
+        "top_logprobs": [None if top is None else _first_per_text(top, token_text) for top in tops],
         "text_offset": offsets,
     }
 

@@ -102,6 +102,27 @@ IGNORED_FIELDS = frozenset(
 IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "reasoning_content", "reasoning", "tool_calls"})
 
 
+def require_text(value: Any, field: str) -> None:
+    """400 naming ``field`` (``messages[1].content``, ``prompt[0]``) for text that is not valid Unicode: a lone
+    surrogate (``"\\ud800"``, which JSON can carry) cannot be encoded as UTF-8, so no tokenizer can read it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(
+                400, f"{field}: not valid Unicode text ({exc.reason} at character {exc.start})", field, "invalid_value"
+            ) from exc
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            require_text(item, f"{field}[{i}]")
+    elif isinstance(value, ChatMessage):
+        parts = value.content if isinstance(value.content, list) else [value.content]
+        for i, part in enumerate(parts):
+            inner = part.text if isinstance(part, ContentPart) else part
+            require_text(inner, f"{field}.content" + (f"[{i}].text" if isinstance(value.content, list) else ""))
+        require_text(value.name, f"{field}.name")
+
+
 def refuse_unsupported(req: BaseModel) -> None:
     """400 naming the first field that would change what the answer means (``UNSUPPORTED_FIELDS``) or that
     kvwarden does not know at all (a misspelt ``max_token`` included)."""

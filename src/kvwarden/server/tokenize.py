@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvwarden.server.async_engine import AsyncEngine
-from kvwarden.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest
+from kvwarden.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest, require_text
 
 
 class Tokenization:
@@ -22,6 +22,8 @@ class Tokenization:
         tokenizer = self.engine.engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", "prompt", "invalid_value")
+        require_text(req.prompt, "prompt")
+        require_text(req.messages, "messages")
         if req.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             try:

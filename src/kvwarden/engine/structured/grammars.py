@@ -78,6 +78,11 @@ class Grammars:
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # errors are raised, not printed
         if template.is_error():
             raise GrammarError(f"structured_outputs.{params.kind}: cannot be compiled: {template.get_error()}")
+        if GrammarState(template.deep_copy(), self.vocab_size, self.eos_token_ids).dead_end():
+            raise GrammarError(
+                f"structured_outputs.{params.kind}: matches no text at all (the constraint's language is empty), "
+                "so no answer could satisfy it"
+            )
         with self._lock:
             self._cache[params] = template
             self.compiled += 1

@@ -70,7 +70,26 @@ class GrammarState:
             allowed[ends.nonzero().flatten().unsqueeze(1), torch.tensor(self._forbidden, device=device)] = False
         if not bool(allowed[0].any()):
             raise GrammarFailure("structured outputs: the grammar allows no token at this point")
+        if not self._matcher.is_accepting() and not bool(allowed[0, self._not_eos(device)].any()):
+            # llguidance allows only the end of sequence where no text can complete the grammar: ending there
+            # would return text the constraint does not accept, so the request ends with this error instead
+            raise GrammarFailure("structured outputs: no text can complete the grammar from here")
         return allowed
+
+    def dead_end(self) -> bool:
+        """Whether no text can complete the grammar from here (only the end of sequence is allowed, and the
+        grammar does not accept what it has): at the start, a constraint whose language is empty."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        fill_next_token_bitmask(self._matcher, bitmask, 0)
+        allowed = unpack(torch.from_numpy(bitmask), self.vocab_size, "cpu")[0]
+        return not self._matcher.is_accepting() and not bool(allowed[self._not_eos("cpu")].any())
+
+    def _not_eos(self, device: torch.device | str) -> torch.Tensor:
+        keep = torch.ones(self.vocab_size, dtype=torch.bool, device=device)
+        keep[list(self._eos)] = False
+        return keep
 
     def mask_after(self, tokens: list[int], device: torch.device | str) -> torch.Tensor | None:
         """The allowed tokens ``[vocab]`` after ``tokens`` (drafts made so far, not emitted), so a proposer

@@ -1,0 +1,116 @@
+"""What a new user hit (each item a real request through a real server; the official ``openai`` client where the
+request is one it can send): refusals in OpenAI's error format, and answers that mean what they say."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from server_util import Server, running_server
+
+
+@pytest.fixture(scope="module")
+def server(llama_tiny: Path) -> Iterator[Server]:
+    with running_server(str(llama_tiny), "--served-model-name", "m", "--max-model-len", "256") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    # raw bytes: a lone surrogate survives json.dumps' default ASCII escaping ("\ud800"), as a client sends it
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})  # fmt: skip
+
+
+def _error(resp: httpx.Response, status: int, param: str) -> str:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param, err
+    return err["message"]
+
+
+def test_a_regex_that_matches_nothing_is_a_400(server: Server, client: openai.OpenAI) -> None:
+    """``a[^\\s\\S]`` has no match: a 400 at admission (it answered 200 with "" and ``stop``)."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "a[^\\s\\S]"}}
+    message = _error(_post(server, "/v1/completions", body), 400, "structured_outputs.regex")
+    assert "matches no text" in message
+    ok = client.completions.create(
+        model="m", prompt="x", max_tokens=8, extra_body={"structured_outputs": {"regex": "ab"}}
+    )
+    assert ok.choices[0].text == "ab"  # a satisfiable one is unaffected
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "\ud800 hi"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\ud800 hi"]}, "prompt[1]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}]}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ("/tokenize", {"prompt": "\ud800 hi"}, "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(server: Server, path: str, body: dict, param: str) -> None:
+    resp = _post(server, path, {"model": "m", "max_tokens": 2, **body} if path != "/tokenize" else body)
+    assert "not valid Unicode text" in _error(resp, 400, param)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_each_seed_and_choice_has_its_own_stream(client: openai.OpenAI) -> None:
+    """``n=3`` with seeds 42 and 43: six different samples (``seed + index`` made two of them shared)."""
+    texts = []
+    for seed in (42, 43):
+        out = client.completions.create(
+            model="m", prompt="Once", max_tokens=8, temperature=1.0, n=3, seed=seed, logprobs=1,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        texts += [json.dumps(c.logprobs.token_logprobs) for c in out.choices]
+    assert len(set(texts)) == 6
+    again = client.completions.create(model="m", prompt="Once", max_tokens=8, temperature=1.0, n=1, seed=42, logprobs=1,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert json.dumps(again.choices[0].logprobs.token_logprobs) == texts[0]  # choice 0 keeps the request's seed
+
+
+@pytest.mark.parametrize("seed", [2**64 + 42, 2**64, -(2**63) - 1])
+def test_seeds_past_64_bits_are_refused(server: Server, seed: int) -> None:
+    body = {"model": "m", "prompt": "x", "max_tokens": 2, "seed": seed}
+    assert "seed must be between" in _error(_post(server, "/v1/completions", body), 400, "seed")
+
+
+def test_fields_that_would_be_silently_ignored_are_refused(server: Server) -> None:
+    body = {"model": "m", "prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert "only allowed when stream is true" in _error(_post(server, "/v1/completions", body), 400, "stream_options")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 5}
+    assert "disagree" in _error(_post(server, "/v1/chat/completions", chat), 400, "max_completion_tokens")
+    same = _post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 3, "temperature": 0.0})
+    assert same.status_code == 200 and same.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_stop_string_beside_a_constraint_is_refused(server: Server) -> None:
+    body = {"model": "m", "prompt": "x", "max_tokens": 12, "stop": ["-"],
+            "structured_outputs": {"regex": "\\d{4}-\\d{2}-\\d{2}"}}  # fmt: skip
+    assert "stop cannot be combined" in _error(_post(server, "/v1/completions", body), 400, "stop")
+
+
+def test_text_keyed_top_logprobs_keep_the_highest_ranked_token_of_a_text() -> None:
+    """Legacy completions key top logprobs by text: where two tokens share a text, the higher-ranked one stays
+    (it kept the last, lowest one). Tokens 1 and 2 both read "a" here."""
+    from kvwarden.server.formatting import completion_logprobs
+
+    text = {1: "a", 2: "a", 3: "b"}.__getitem__
+    body = completion_logprobs([1], [-0.1], [[(1, -0.1), (2, -0.5), (3, -0.7)]], text)
+    assert body["top_logprobs"] == [{"a": -0.1, "b": -0.7}]
