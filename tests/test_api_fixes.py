@@ -114,3 +114,30 @@ def test_text_keyed_top_logprobs_keep_the_highest_ranked_token_of_a_text() -> No
     text = {1: "a", 2: "a", 3: "b"}.__getitem__
     body = completion_logprobs([1], [-0.1], [[(1, -0.1), (2, -0.5), (3, -0.7)]], text)
     assert body["top_logprobs"] == [{"a": -0.1, "b": -0.7}]
+
+
+def test_the_api_key_can_come_from_the_environment(llama_tiny: Path) -> None:
+    """``KVWARDEN_API_KEY`` (as vLLM reads ``VLLM_API_KEY``): required from clients, and not in the process list."""
+    import os
+
+    env = {**os.environ, "KVWARDEN_API_KEY": "s3cret-from-env"}
+    with running_server(str(llama_tiny), "--served-model-name", "m", env=env) as server:
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        assert _post(server, "/v1/completions", body).status_code == 401
+        ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer s3cret-from-env"})
+        assert ok.status_code == 200, ok.text
+        cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes()
+        assert b"s3cret" not in cmdline
+
+
+def test_predict_takes_the_engines_spelling_of_the_draft_count() -> None:
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "kvwarden.cli", "predict", "--rule", "vllm-align", "--block-size", "16",
+            "--pair", "40:60:30", "--json"]  # fmt: skip
+    new, old = (
+        subprocess.run([*base, flag, "1"], capture_output=True, text=True, check=True).stdout
+        for flag in ("--num-speculative-tokens", "--num-spec-tokens")
+    )
+    assert new == old and json.loads(new.splitlines()[0])

@@ -28,7 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="the engine's KV block size (vLLM raises it for hybrids: its log says 'Setting attention block size')",
     )
-    p.add_argument("--num-spec-tokens", type=int, default=0, help="> 0: the align rule pulls back one block")
+    p.add_argument(
+        "--num-speculative-tokens",
+        "--num-spec-tokens",  # the earlier spelling, kept
+        dest="num_spec_tokens",
+        type=int,
+        default=0,
+        help="draft tokens of the engine's speculation; > 0: the align rule pulls back one block",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step budget (default: unlimited)")
     p.add_argument(
         "--pair", action="append", default=[], metavar="A_LEN:B_LEN:SHARED_LEN", help="lengths in tokens (repeatable)"

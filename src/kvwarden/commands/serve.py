@@ -33,7 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only unless you change it)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVWARDEN_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1/*; default: the KVWARDEN_API_KEY environment variable "
+        "(as vLLM reads VLLM_API_KEY), which keeps the key out of the process list",
+    )
     p.add_argument("--max-waiting", type=int, default=256, help="pending requests before answering 503")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413")
     p.add_argument(
@@ -66,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="both",
         choices=["both", "prefill", "decode"],
         help="prefill: compute prompts for decode instances and write their KV into them; decode: take requests "
-        "whose body names a prefill instance (kv_transfer_params.prefill_url); both: an ordinary server (default)",
+        "whose body names a prefill instance (kv_transfer_params.prefill_url); both: an ordinary server",
     )
     pd.add_argument(
         "--pd-transfer-timeout",
