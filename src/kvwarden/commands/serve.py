@@ -17,6 +17,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvwarden.commands.engine_args import add_engine_args
+from kvwarden.server.reasoning import PARSERS as REASONING_PARSERS
+from kvwarden.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -64,6 +66,25 @@ def register(sub: argparse._SubParsersAction) -> None:
             "engine-crash-after-steps=N, host-load-delay=MS, transfer-delay=MS (prefill role: each KV transfer "
             "spread over MS); repeatable; shown in /health"
         ),
+    )
+    tc = p.add_argument_group("tool calling and reasoning output (docs/api.md)")
+    tc.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide whether to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    tc.add_argument(
+        "--tool-call-parser",
+        choices=tuple(TOOL_PARSERS),
+        default=None,
+        help="the format the model writes calls in: hermes (Qwen2.5, Qwen3: <tool_call>{json}</tool_call>; the "
+        "call's JSON constrained once opened), glm45 (GLM-4.5, GLM-5), llama3_json (Llama 3.x)",
+    )
+    tc.add_argument(
+        "--reasoning-parser",
+        choices=tuple(REASONING_PARSERS),
+        default=None,
+        help="return <think>...</think> as reasoning_content beside content (qwen3, glm45, deepseek_r1)",
     )
     pd = p.add_argument_group("disaggregated serving (docs/disaggregation.md)")
     pd.add_argument(
@@ -135,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--inject-fault layer-split-delay: needs --layer-split")
     if args.faults.transfer_delay is not None and args.role != "prefill":
         raise ValueError("--inject-fault transfer-delay: applies to the prefill role (--role prefill)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser NAME (the format calls are read in)")
     if args.role != "both" and args.speculative_config:
         raise ValueError(f"--speculative-config: not supported with --role {args.role} yet (disaggregated requests)")
     if args.role != "both" and args.context_parallel_size > 1:
@@ -181,6 +204,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         log_requests=not args.disable_log_requests,
+        tools=_tool_settings(
+            args.enable_auto_tool_choice,
+            args.tool_call_parser,
+            REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
+        ),
     )
     uv_level = "warning" if args.log_level in ("info", "debug") else args.log_level
     server = uvicorn.Server(
@@ -264,3 +292,9 @@ def run_until_stopped(server: uvicorn.Server, sock: socket.socket, ready_line: s
         plural = "s" if served != 1 else ""
         print(f"{name}: stopped after {served} request{plural} (in-flight ones drained)", flush=True)
     return 0 if server.started else 1
+
+
+def _tool_settings(auto: bool, parser: str | None, reasoning: object) -> object:
+    from kvwarden.server.chat_tools import ToolSettings
+
+    return ToolSettings(auto, parser, reasoning)  # type: ignore[arg-type]

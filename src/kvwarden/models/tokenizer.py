@@ -61,8 +61,15 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template.
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Render ``messages`` with the model's chat template (``tools``: the OpenAI tool definitions, as
+        transformers passes them; ``extra``: more template variables, e.g. ``enable_thinking``).
 
         Raises:
             ValueError: the model has no chat template, or rendering failed.
@@ -77,6 +84,8 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
+                **(extra or {}),
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:

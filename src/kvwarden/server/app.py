@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvwarden.server.access_log import AccessLog
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.chat import ChatCompletions
+from kvwarden.server.chat_tools import ToolSettings
 from kvwarden.server.completions import Completions
 from kvwarden.server.protocol import (
     ApiError,
@@ -47,6 +48,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     log_requests: bool = True  # one access-log line per API request (server/access_log.py)
+    tools: ToolSettings = field(default_factory=ToolSettings)  # tool-call and reasoning parsers
 
 
 class BodyLimit:
@@ -173,7 +175,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, roles: AppExtension | N
     if roles is not None:
         roles.add_routes(app, engine)
     completions = Completions(engine, config.model_name)
-    chat = ChatCompletions(engine, config.model_name)
+    chat = ChatCompletions(engine, config.model_name, config.tools)
     tokenization = Tokenization(engine)
     created = int(time.time())
 

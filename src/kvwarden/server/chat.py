@@ -15,6 +15,15 @@ from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
+from kvwarden.server.chat_tools import (
+    ChoiceStream,
+    ToolPlan,
+    ToolSettings,
+    after_reasoning,
+    message,
+    plan,
+    template_messages,
+)
 from kvwarden.server.formatting import (
     TokenText,
     chat_logprobs,
@@ -30,16 +39,29 @@ from kvwarden.server.streams import Job, choice_deltas, collect
 
 
 class ChatCompletions:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tools: ToolSettings | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.tools = tools or ToolSettings()
 
     def _prompt(self, req: ChatCompletionRequest) -> list[int]:
         engine = self.engine.engine
         require_text(req.messages, "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        tokenizer = engine.tokenizer
+        source = tokenizer.chat_template or ""
+        if req.tools and "tools" not in source:  # it would render nothing of them: refused, not ignored
+            raise ApiError(400, "tools: this model's chat template does not render tools", "tools", "invalid_value")
+        for key in req.chat_template_kwargs or {}:
+            if key not in source:
+                raise ApiError(
+                    400, f"chat_template_kwargs.{key}: this model's chat template does not read it",
+                    f"chat_template_kwargs.{key}", "invalid_value",
+                )  # fmt: skip
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                template_messages(req), req.add_generation_prompt, tools, req.chat_template_kwargs
+            )
             return engine.tokenize(text)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages", "invalid_value") from exc
@@ -72,14 +94,17 @@ class ChatCompletions:
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> JSONResponse | EventStream:
         ids = self._prompt(req)
-        structured = await compile_constraint(req, self.engine.engine.grammars)
+        tools, reasoning = plan(req, self.tools), self.tools.reasoning_parser
+        structured = await compile_constraint(
+            req, self.engine.engine.grammars, lambda own: after_reasoning(tools.constraint or own, reasoning)
+        )
         jobs = self._jobs(req, ids, structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         record = access_record(request)
         record.request_id = rid
         token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
         if req.stream:
-            chunks = self._stream(req, jobs, rid, token_text, len(ids), record)
+            chunks = self._stream(req, jobs, rid, token_text, len(ids), record, tools)
             return EventStream(chunks)
         final = await until_disconnected(request, collect(self.engine, jobs, rid))
         choices = []
@@ -88,11 +113,12 @@ class ChatCompletions:
             logprobs = None
             if req.logprobs and out.logprobs is not None:
                 logprobs = chat_logprobs(out.token_ids, out.sampled_logprobs, out.logprobs, token_text)
+            body, called = message(out.text, tools, reasoning)
             choice = {
                 "index": job.index,
-                "message": {"role": "assistant", "content": out.text},
+                "message": body,
                 "logprobs": logprobs,
-                "finish_reason": out.finish_reason,
+                "finish_reason": "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason,
                 "stop_reason": out.stop_reason,
             }
             choices.append(with_spec(choice, out))
@@ -114,6 +140,7 @@ class ChatCompletions:
         token_text: TokenText,
         prompt_len: int,
         record: AccessRecord,
+        tools: ToolPlan,
     ) -> AsyncGenerator[dict[str, Any], None]:
         created = int(time.time())
 
@@ -139,6 +166,7 @@ class ChatCompletions:
                 ]
             )
         finals: dict[int, RequestOutput] = {}
+        streams = {job.index: ChoiceStream(tools, self.tools.reasoning_parser) for job in jobs}
         events = choice_deltas(self.engine, jobs, rid)
         async with contextlib.aclosing(events):
             async for index, text, new, out in events:
@@ -150,18 +178,26 @@ class ChatCompletions:
                         [out.logprobs[i] for i in new],
                         token_text,
                     )
-                if not text and logprobs is None and not out.finished:
-                    continue  # a token that ends inside a UTF-8 character: nothing to send until it completes
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
-                }
+                stream = streams[index]
+                deltas = stream.feed(text) if text else []
                 if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                    finals[index] = out
-                yield chunk([with_spec(choice, out)])
+                    deltas += stream.finish()
+                if not deltas and logprobs is None and not out.finished:
+                    continue  # nothing to send yet (inside a UTF-8 character, a marker, or a constrained call)
+                for n, delta in enumerate(deltas or [{}]):
+                    last = n == max(len(deltas), 1) - 1
+                    choice: dict[str, Any] = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": logprobs if n == 0 else None,
+                        "finish_reason": None,
+                    }
+                    if last and out.finished:
+                        reason = out.finish_reason
+                        choice["finish_reason"] = "tool_calls" if stream.called and reason == "stop" else reason
+                        choice["stop_reason"] = out.stop_reason
+                        finals[index] = out
+                    yield chunk([with_spec(choice, out)])
         counts = _usage_counts(prompt_len, finals, record)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=usage(*counts, finals.values()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,11 @@ class TokenText:
         return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
 
 
-async def compile_constraint(req: Any, grammars: Grammars) -> StructuredOutputsParams | None:
-    """The request's constraint, compiled off the event loop and the engine thread.
+async def compile_constraint(
+    req: Any, grammars: Grammars, adjust: Callable[[StructuredOutputsParams | None], Any] | None = None
+) -> StructuredOutputsParams | None:
+    """The request's constraint, compiled off the event loop and the engine thread; ``adjust`` turns it (or
+    its absence) into the one the answer runs under (tool calls, a reasoning block before it).
 
     Raises:
         ApiError: 400 naming the field (malformed, several constraints, or not compilable).
@@ -51,14 +54,18 @@ async def compile_constraint(req: Any, grammars: Grammars) -> StructuredOutputsP
     except ValueError as exc:
         field, message = exc.args
         raise ApiError(400, f"{field}: {message}", field, "invalid_value") from exc
-    if found is None:
+    params, field = found if found is not None else (None, "tools")
+    if adjust is not None:
+        params = adjust(params)
+    if params is None:
         return None
-    params, field = found
     try:
         await asyncio.to_thread(grammars.compile, params)
     except GrammarError as exc:
-        reason = str(exc).split(": cannot be compiled: ", 1)[-1]
-        raise ApiError(400, f"{field}: cannot be compiled: {reason}", field, "invalid_value") from exc
+        text = str(exc)
+        if ": cannot be compiled: " in text:
+            text = f"{field}: cannot be compiled: {text.split(': cannot be compiled: ', 1)[-1]}"
+        raise ApiError(400, text, field, "invalid_value") from exc
     return params
 
 

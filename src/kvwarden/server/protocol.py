@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from kvwarden.engine.sampling_params import MAX_LOGPROBS
 from kvwarden.server.structured import GUIDED_FIELDS, ResponseFormat, StructuredOutputsField
+from kvwarden.server.tool_protocol import ToolCall, ToolChoice, ToolDef
 
 
 class ApiError(Exception):
@@ -57,11 +58,8 @@ def api_key_error(authorization: str | None, key: str) -> ApiError | None:
 # ignored, unless they carry the value that means "off". Harmless bookkeeping fields (user, metadata,
 # store, ...) stay accepted and are ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none",)),
-    "parallel_tool_calls": ("tool calling is not supported", (False,)),
-    "functions": ("function calling is not supported", ([],)),
-    "function_call": ("function calling is not supported", ("none",)),
+    "functions": ("the legacy functions field is not supported: use tools", ([],)),
+    "function_call": ("the legacy function_call field is not supported: use tool_choice", ("none",)),
     "logit_bias": ("logit_bias is not supported", ({},)),
     "presence_penalty": ("penalties are not supported (only 0)", (0, 0.0)),
     "frequency_penalty": ("penalties are not supported (only 0)", (0, 0.0)),
@@ -85,7 +83,6 @@ UNSUPPORTED_FIELDS |= {
     "verbosity": ("verbosity is not supported", ()),
     # vLLM's extensions kvwarden does not implement
     "chat_template": ("a request-supplied chat_template is not supported", ()),
-    "chat_template_kwargs": ("chat_template_kwargs is not supported", ({},)),
     "continue_final_message": ("continue_final_message is not supported", (False,)),
     "allowed_token_ids": ("allowed_token_ids is not supported", ([],)),
     "bad_words": ("bad_words is not supported", ([],)),
@@ -99,7 +96,7 @@ IGNORED_FIELDS = frozenset(
 )
 # Keys of a chat message that a client may send back from an earlier response; they cannot change the answer
 # when empty, and the chat template does not read them.
-IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "reasoning_content", "reasoning", "tool_calls"})
+IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "reasoning_content", "reasoning"})
 
 
 def require_text(value: Any, field: str) -> None:
@@ -257,6 +254,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -274,6 +273,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the template (e.g. enable_thinking)
 
 
 class TokenizeRequest(_Strict):
