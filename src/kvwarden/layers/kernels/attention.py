@@ -61,11 +61,9 @@ __all__ = ["BLOCK_Q", "AttentionMeta", "key_tile", "paged_attention", "precompil
 BLOCK_N, BLOCK_N_WIDE = 32, 64
 WIDE_MAX_ELEMENTS = 16 * 4 * 128  # a tile's query rows x padded head size up to which keys come 64 at a time
 # Keys per split: fixed absolute boundaries, combined in order (a multiple of every key tile). NOTE(invariance):
-# like the key tile it moves where states are folded, so it is one constant for every step. 512 rather than
-# 1,024 (H100, bench/attention_tiles.py, Qwen3-0.6B's heads): one request over 1K keys runs 16 programs
-# walking 16 tiles each at 1,024 (53 us) and twice the programs at 512 (31 us); 16K keys level, 64 requests
-# over 512 level, a 2,048-token prefill 201 -> 209 us and 256 requests over 640 keys 273 -> 280 (each program
-# folds twice as often). 256 took 1K keys to 23 us but 16K to 95 (from 68).
+# like the key tile it moves where states are folded, so it is one constant for every step. The length is a speed
+# choice measured by `bench/attention_tiles.py` (figures in docs/performance.md and CHANGELOG.md): shorter splits
+# give a short context more programs, at the price of more folds.
 SPLIT = 512
 # When splits run in parallel (speed only: the bits are the same either way): launches of fewer
 # (tile, head) programs than this, whose split states fit in this many programs' buffers and bytes.

@@ -61,19 +61,13 @@ class QueryTiles:
 
 
 UNIFORM_TILES = QueryTiles()  # one BLOCK_Q tile on WARPS warps for every step
-# GPU architectures (compute capabilities) where the split tiles gave every row the bits of the prefill's:
-# Hopper (H100 80GB HBM3, 2026-12-07: bench/attention_tiles.py --query-tiles, every one of ~94 decoded
-# positions equal to its prefill row at GQA 2, 4, 7 and 8 with heads of 64 and 128, GQA 8 with heads of 256,
-# and the GPU tests).
+# GPU architectures (compute capabilities) where the split tiles were checked to give every decoded row the bits of
+# its prefill row (`bench/attention_tiles.py --query-tiles` and the GPU tests; the shapes checked are listed in
+# docs/architecture.md): Hopper.
 SPLIT_TILE_ARCHS: frozenset[tuple[int, int]] = frozenset({(9, 0)})
-# Where they are also faster (H100, bench/attention_tiles.py, the engine's tiles beside the split ones): GQA 2 at head
-# 128 (Qwen3-0.6B's shape) gains at every shape measured but one (b1 x 1K: level). GQA 8 at head 256 (Qwen3-Next's
-# 16/2 x 256, 2026-12-07, later): one position on one warp and 16 positions on 8 warps against the engine's 16
-# positions on 4, 32 keys a tile: b1 x 16K 108 against 794 us, b1 x 1K 59 / 194, b64 x 512 73 / 174, b256 x 640 173 /
-# 824, a 2,048-token prefill 260 / 843, every one of 94 decoded rows equal to its prefill row (32- and 64-key tiles).
-# GQA 4's 32-position prefill tile ran a 2,048-token chunk at 276 us against 236 for 16 positions on 4 warps, GQA 8 at
-# head 128 had no baseline of the engine's tile in its run, and GQA 4 x 256 (the qwen3_next presets) was not measured:
-# those keep the one tile.
+# Where they are also faster: the (group, head sizes) pairs SPLIT_SHAPES names, each measured against the engine's
+# uniform tile with `bench/attention_tiles.py` (figures in docs/performance.md and CHANGELOG.md); shapes not
+# measured keep the uniform tile.
 SPLIT_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 1, 128), (8, 256, 256))  # (group, heads from, up to)
 
 

@@ -88,31 +88,15 @@ from kvwarden.layers.kernels.topk_radix import (
 from kvwarden.layers.kernels.topk_split import split_buckets, split_radix
 from kvwarden.layers.sparse_attention import column_order
 
-# The kernel's shape (bench/topk.py --variants, device time; any shape gives the same answer). On the H200
-# (2026-12-03): 8-bit digits beat 11-bit ones 1.6-3.7x (a histogram's cost grows with its bins); the
-# histogram's mask argument and the bin-0 form time within 3 % of each other. On the H100 (2026-12-06),
-# k = 2,048, with the bucket shortcut: one program per row is best with blocks of 2,048 and 8 warps, or
-# within a few % of the best, at 1-2,048 rows of 8K-64K keys (64K x 2,048 rows: 1.79 ms; 2.81 with blocks
-# of 4,096, 3.57 for the passes alone; blocks of 1,024 x 4 warps 1.69 there but 1.5x slower at 64K x 256).
-# For few rows a row split over programs takes 0.036-0.062 ms at 8K-64K keys where one program takes
-# 0.043-0.18: chunks of 2,048 columns up to 16K keys, 4,096 beyond, while the split makes at most
-# SPLIT_PROGRAMS programs (each re-reads the earlier passes' histograms of all its row's chunks: 64 rows of
-# 64K keys take 0.17-0.20 ms either way). The split costs 5 launches (about 0.1 ms of host time eagerly):
-# decode, where rows are few, replays its steps from CUDA graphs, where only device time counts.
-# Up to BUCKET_SPLIT_ROWS rows that the radix split leaves to one program (too many chunks) take the bucket
-# shortcut split over chunks of 16,384 (topk_split.py) from BUCKET_SPLIT_FROM keys on. H100, 2026-12-07,
-# device time (two runs): 64 rows of 64K keys 0.113-0.114 ms (one program a row 0.180-0.181, torch.topk
-# 0.143-0.146), 128 rows 0.170-0.172 (0.195, 0.205); 128K keys x 32 / 64 / 128 rows 0.116 / 0.175 / 0.295
-# (one program 0.34 / 0.375 / 0.44; torch.topk 0.145 / 0.219 / 0.319). It lost at 32K keys (128 rows: 0.112
-# against one program's 0.096) and at 256 rows (64K: 0.333 against 0.295); where the radix split fits (up to
-# 32 rows of 64K keys, 16 of 128K) it stays ahead (1-16 rows: 0.04-0.06 against 0.07-0.09).
+# The kernel's shape: a speed choice only (any shape gives the same answer). Chosen by measurement with
+# `python bench/topk.py --device cuda --variants --graphs` (its table is in docs/sparse-attention.md, the history in
+# CHANGELOG.md): 8-bit digits, one program per row in blocks of 2,048 on 8 warps; a row split over programs of
+# chunks of 2,048 (up to 16K keys) or 4,096 columns for few rows, while the split makes at most SPLIT_PROGRAMS
+# programs (it costs 5 launches: decode replays it from CUDA graphs, where only device time counts); and up to
+# BUCKET_SPLIT_ROWS rows of BUCKET_SPLIT_FROM keys or more the bucket shortcut split over chunks of 16,384.
 BLOCK, WARPS = 2048, 8
 # One program per row over rows of more than LONG_ROW keys: 4 warps (scheduling only: the counts are exact
-# integers, so the answer is the same on any warps; bench/topk.py --variants checks it on the GPU). H100,
-# 2026-12-07, two runs, device time replayed from CUDA graphs: 64K x 256 rows 0.275 ms against 0.294 on 8
-# warps, 128K x 256 0.484-0.486 against 0.534-0.537 (torch.topk 0.508); one run at 2,048 rows: 128K 3.09
-# against 3.33, 64K level (1.81 / 1.79). At 32K keys the two tie (0.151-0.152 / 0.152-0.153) and from 16K
-# down 8 warps win (16K x 256: 0.091 / 0.102).
+# integers, so the answer is the same on any warps; `bench/topk.py --variants --graphs` measures both on the GPU).
 LONG_ROW, LONG_ROW_WARPS = 32768, 4
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
