@@ -262,3 +262,21 @@ def test_decode_graphs_refuse_what_they_cannot_capture(qwen3_next_tiny: Path) ->
         cpu(cuda_graphs="emulate")
     with pytest.raises(ValueError, match="cuda_graphs: unknown 'always'"):
         _make(qwen3_next_tiny, "float32")(cuda_graphs="always")
+
+
+def test_the_invariant_backend_takes_nothing_from_the_shape_dependent_one() -> None:
+    """TritonOps has no shape-dependent parent: every method it does not define itself comes from the shared
+    DeviceKernels (each invariant by its own argument) or is one of Ops' thin wrappers over its own
+    ``pointwise`` (sigmoid, silu, softplus); none from CudaOps."""
+    import inspect
+
+    from kvwarden.layers.gpu_ops import CudaOps, DeviceKernels, TritonOps
+    from kvwarden.layers.numerics import Ops
+
+    assert CudaOps not in TritonOps.__mro__
+    wrappers = {"sigmoid", "silu", "softplus"}
+    for name, _ in inspect.getmembers(TritonOps, callable):
+        if name.startswith("_"):
+            continue
+        owner = next(c for c in TritonOps.__mro__ if name in c.__dict__)
+        assert owner in (TritonOps, DeviceKernels) or (owner is Ops and name in wrappers), (name, owner)

@@ -27,17 +27,21 @@ from kvwarden.layers.numerics import Ops
 from kvwarden.layers.rotary import RotaryEmbedding
 
 
-class CudaOps(Ops):
-    """Library kernels on CUDA, on whatever shape arrives (not invariant).
+class DeviceKernels(Ops):
+    """What both GPU backends share, and only that: kernels whose results are invariant by their own
+    argument, so a change made for the fast path's speed here cannot silently change the canonical one's bits.
 
-    Recurrent layers and sparse MoE share the batched device kernels with the canonical backend
-    (``batched_recurrent``, ``device_moe``: one launch per layer for every request, nothing read back
-    to the host, so hybrid decode steps are captured in CUDA graphs on both); the fast path keeps
-    vLLM's align-mode rule of saving a recurrent state only where a chunk ends on a block boundary.
+    * ``causal_conv`` (``kernels/conv.py``): one program per (row, channel block), a fixed window of taps.
+    * ``rms_norm_gated`` (``kernels/rows.py``): one program per row, the row's own reduction.
+    * ``moe_route`` / ``moe_experts`` / ``moe_combine`` (``kernels/moe.py``): row-wise routing, expert tiles
+      fixed by the weight's shape, ranks added in rank order (its docstring gives the argument).
+    * ``new_kv_cache`` / ``write_kv``: allocation and copies, no arithmetic.
+
+    Every shape-dependent choice (cuBLAS, PyTorch's attention, the vendor-style scans) lives in
+    :class:`CudaOps` alone; :class:`TritonOps` defines its own GEMMs, attention, rows and scans.
+    ``tests/test_triton_engine.py`` checks that TritonOps takes nothing from CudaOps.
     """
 
-    name = "shape-dependent"
-    kernels = "cuda"
     batched_recurrent = True
     device_moe = True
 
@@ -48,16 +52,8 @@ class CudaOps(Ops):
 
         self.k_conv, self.k_moe, self.k_recurrent, self.k_rows = conv, moe, recurrent, rows
 
-    # ------------------------------------------------------ recurrent layers and MoE, batched on the device
     def causal_conv(self, *args: Any) -> torch.Tensor:
         return self.k_conv.causal_conv(*args)
-
-    def gated_delta_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # token by token (the vendor engines' decode kernel; the fast path has no pending rows)
-        return self.k_recurrent.gated_delta(*args)
-
-    def mamba2_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_recurrent.mamba2(*args)
 
     def rms_norm_gated(self, *args: Any) -> torch.Tensor:
         return self.k_rows.rms_norm_gated(*args)
@@ -65,18 +61,11 @@ class CudaOps(Ops):
     def moe_route(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_moe.route(*args)
 
-    def moe_experts(self, *args: torch.Tensor) -> torch.Tensor:
+    def moe_experts(self, *args: Any) -> torch.Tensor:
         return self.k_moe.experts(*args)
 
     def moe_combine(self, *args: torch.Tensor | None) -> torch.Tensor:
         return self.k_moe.combine(*args)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # cuBLAS chooses its algorithm (split-K included) from the problem shape: the real thing.
-        return torch.nn.functional.linear(x, weight, bias)
-
-    def linear_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # cuBLAS's batched GEMM
 
     def new_kv_cache(self, slots: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -89,6 +78,33 @@ class CudaOps(Ops):
     ) -> None:
         kv[0].index_copy_(0, slots, k.to(kv[0].dtype))
         kv[1].index_copy_(0, slots, v.to(kv[1].dtype))
+
+
+class CudaOps(DeviceKernels):
+    """Library kernels on CUDA, on whatever shape arrives (not invariant).
+
+    Recurrent layers and sparse MoE run the batched device kernels of :class:`DeviceKernels` (one launch per
+    layer for every request, nothing read back to the host, so hybrid decode steps are captured in CUDA
+    graphs); the fast path keeps vLLM's align-mode rule of saving a recurrent state only where a chunk ends
+    on a block boundary, and scans token by token.
+    """
+
+    name = "shape-dependent"
+    kernels = "cuda"
+
+    def gated_delta_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # token by token (the vendor engines' decode kernel; the fast path has no pending rows)
+        return self.k_recurrent.gated_delta(*args)
+
+    def mamba2_step(self, *args: Any, ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_recurrent.mamba2(*args)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # cuBLAS chooses its algorithm (split-K included) from the problem shape: the real thing.
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def linear_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # cuBLAS's batched GEMM
 
     def attention_plan(
         self,
@@ -139,7 +155,7 @@ class CudaOps(Ops):
         return out
 
 
-class TritonOps(CudaOps):
+class TritonOps(DeviceKernels):
     """Canonical numerics on CUDA: the Triton kernels of :mod:`kvwarden.layers.kernels`."""
 
     name = "canonical"
