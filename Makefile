@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvwarden-installed
 
-.PHONY: demo test lint install engines clean
+.PHONY: demo test test-fast lint install engines clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ test: $(STAMP) engines
 	$(VENV)/bin/ruff format --check src tests bench
 	@echo "[test] pytest, two workers (real-engine tests on one of them; measurements printed at the end)"
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The unit-level tier (lint and each subsystem's own tests; no real engines): under 5 minutes on 2 cores.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(PY) -m pytest -q -n 2 -m fast
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests bench

@@ -111,9 +111,26 @@ class _Measurements:
                     terminalreporter.write_line(f"    | {line}")
 
 
+# The unit-level tier, `make test-fast` (lint and these modules, -m fast, under 5 minutes on 2 cores): each
+# subsystem's own tests that build no real server or engine of other projects and need no Triton interpreter
+# run over a whole model. `make test` runs everything, these included.
+FAST_MODULES = frozenset(
+    {
+        "test_block_pool", "test_scheduler", "test_predict", "test_detokenizer", "test_numerics",
+        "test_sampling", "test_guard_parts", "test_bench_toolkit", "test_readme", "test_api_fixes",
+        "test_tools", "test_cpu_kernels", "test_dsa", "test_dsa_kernels", "test_kernels", "test_fp8",
+        "test_tensor_parallel", "test_make_model", "test_bad_input",
+    }
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The real-engine tests first: under pytest-xdist they run one after another on one worker (their
-    ``xdist_group``), ~20 minutes, so starting them last would leave that worker running alone at the end."""
+    """Mark the fast tier; then the real-engine tests first: under pytest-xdist they run one after another on
+    one worker (their ``xdist_group``), ~20 minutes, so starting them last would leave that worker alone at
+    the end."""
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
     first = [item for item in items if item.get_closest_marker("xdist_group") is not None]
     if first:
         items[:] = first + [item for item in items if item.get_closest_marker("xdist_group") is None]

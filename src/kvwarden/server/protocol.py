@@ -89,6 +89,8 @@ UNSUPPORTED_FIELDS |= {
     "documents": ("documents are not supported", ([],)),
     "mm_processor_kwargs": ("multimodal inputs are not supported", ({},)),
 }
+# Chat-only fields sent to /v1/completions: refused as unsupported there (a prompt has no tool turns to read).
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided decoding fields other than GUIDED_FIELDS
 # Accepted and ignored: they cannot change an answer (OpenAI's bookkeeping, vLLM's scheduling hints).
 IGNORED_FIELDS = frozenset(
@@ -127,7 +129,9 @@ def refuse_unsupported(req: BaseModel) -> None:
     for name, value in values.items():
         if value is None:
             continue
-        if name in UNSUPPORTED_FIELDS:
+        if name in CHAT_ONLY_FIELDS and name in (req.model_extra or {}):
+            why = "tool calling and chat templates are only on /v1/chat/completions; this field is not supported"
+        elif name in UNSUPPORTED_FIELDS:
             why, harmless = UNSUPPORTED_FIELDS[name]
             if value in harmless:
                 continue
