@@ -307,6 +307,13 @@ if [ "$MODE" = full ] && want sweep; then  # every published configuration, both
   record "sweep: rows agreeing or refused (f32, bf16)" "$(python3 -c "import json; r=json.load(open('$OUT/sweep.json'))['rows']; print(*(f\"{d}: {sum(x['status'] in ('agrees', 'refused') for x in r if x['dtype'] == d)} of {sum(x['dtype'] == d for x in r)}\" for d in ('float32', 'bfloat16')))" 2>&1 | tail -n 1)"
 fi
 
+if want fp8; then  # #60: the FP8 GEMM, SwiGLU and MoE kernels compiled, f32 and bf16, against their dequantized twin
+  stage "FP8 (W8A16) kernels: bits of the dequantized twin, rows alone = in a batch"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py -k fp8 2>&1 \
+    | tee "$OUT/fp8_tests.log" | tail -n 5
+  record "FP8 kernel tests" "$(tail -n 1 "$OUT/fp8_tests.log")"
+fi
+
 if [ "$MODE" = full ] && want scale; then  # #60 item 4: the seeds' models at real size, dummy weights (FP8)
   # CONFIG[:fp8[:LAYERS]] each; Qwen3-Next-80B-A3B-FP8 (~81 GB) needs an H200 (run it alone, needs_h200)
   for SPEC in ${SCALE_MODELS:-qwen3-30b-a3b:fp8}; do

@@ -17,7 +17,7 @@ from kvwarden.probe.launchers import KvwardenLauncher, RunningServer, ServerSett
 
 @contextmanager
 def kvwarden_servers(
-    model: str, settings: Mapping[str, ServerSettings], run_dir: Path | None = None
+    model: str, settings: Mapping[str, ServerSettings], run_dir: Path | None = None, ready_timeout: float | None = None
 ) -> Iterator[dict[str, RunningServer]]:
     """One ``kvwarden serve`` of ``model`` per named settings, each ready before the next starts.
 
@@ -28,7 +28,10 @@ def kvwarden_servers(
     started: dict[str, RunningServer] = {}
     try:
         for name, s in settings.items():
-            started[name] = KvwardenLauncher().start(model, s, run_dir, name)
+            launcher = KvwardenLauncher()
+            if ready_timeout is not None:
+                launcher.ready_timeout = ready_timeout
+            started[name] = launcher.start(model, s, run_dir, name)
         yield started
     finally:
         for server in started.values():
