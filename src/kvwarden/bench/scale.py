@@ -59,15 +59,29 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def _free(llm: Any) -> None:
-    """Drop an engine before the next is built (two copies of an 80B model do not fit one GPU)."""
+def _collect() -> float:
+    """Return freed device memory to the driver once an engine's last reference is gone (two copies of an
+    80B model do not fit one GPU); the GiB still allocated, for the log."""
     import torch
 
-    llm.close()
-    del llm
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**30
+
+
+def _one_run(model: str, kw: dict[str, Any], prompt: list[int], params: Any) -> Any:
+    """One request on an engine built for it and freed before returning."""
+    from kvwarden import LLM
+
+    llm = LLM(model, **kw)
+    try:
+        return llm.generate([prompt], params)[0]
+    finally:
+        llm.close()
+        del llm
+        _collect()
 
 
 def offline_and_invariance(model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -94,8 +108,10 @@ def offline_and_invariance(model: str, args: argparse.Namespace) -> dict[str, An
         wall = time.perf_counter() - t
         row["offline_tok_s"] = round(sum(len(o.token_ids) for o in outs) / wall, 1)
     if "invariance" in args.skip:
-        _free(llm)
+        llm.close()
+        del llm, loaded  # the caller's names too: a reference left here keeps the weights on the device
         row["invariance"] = {}
+        row["left_allocated_gib"] = round(_collect(), 2)
         return row
     # invariance at full size: one request, greedy, top-5 logprobs, against its cold run with caching off
     probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
@@ -104,13 +120,11 @@ def offline_and_invariance(model: str, args: argparse.Namespace) -> dict[str, An
     first = llm.generate([prompt], probe)[0]
     again = llm.generate([prompt], probe)[0]
     together = llm.generate([prompt, *partners], [probe] + [SamplingParams(max_tokens=6, seed=i) for i in range(3)])
-    _free(llm)
-    cold = LLM(model, **kw, enable_prefix_caching=False)
-    ref = cold.generate([prompt], probe)[0]
-    _free(cold)
-    budget = LLM(model, **kw, max_num_batched_tokens=args.block_size // 2 + 1)
-    chunked = budget.generate([prompt], probe)[0]
-    _free(budget)
+    llm.close()
+    del llm, loaded
+    row["left_allocated_gib"] = round(_collect(), 2)
+    ref = _one_run(model, {**kw, "enable_prefix_caching": False}, prompt, probe)
+    chunked = _one_run(model, {**kw, "max_num_batched_tokens": args.block_size // 2 + 1}, prompt, probe)
     outcomes = {
         "b": compare(ref, again, f"cached {again.num_cached_tokens}"),
         "e": compare(ref, chunked, f"budget {args.block_size // 2 + 1}"),
@@ -143,7 +157,7 @@ async def _online_level(url: str, concurrency: int, args: argparse.Namespace, vo
     }
 
 
-def online(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def online(model: str, args: argparse.Namespace, vocab: int, save: Any) -> list[dict[str, Any]]:
     from kvwarden.bench.launch import kvwarden_servers
     from kvwarden.probe.launchers import ServerSettings
 
@@ -154,7 +168,11 @@ def online(model: str, args: argparse.Namespace, vocab: int) -> list[dict[str, A
     with kvwarden_servers(model, {"kvwarden": settings}, ready_timeout=args.timeout) as servers:
         url = servers["kvwarden"].url
         asyncio.run(_online_level(url, 1, argparse.Namespace(**{**vars(args), "output_len": 4}), vocab))  # warm
-        return [asyncio.run(_online_level(url, c, args, vocab)) for c in args.concurrency]
+        levels: list[dict[str, Any]] = []
+        for c in args.concurrency:
+            levels.append(asyncio.run(_online_level(url, c, args, vocab)))
+            save(levels)  # a run cut short by its time limit keeps the levels it finished
+        return levels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,18 +201,25 @@ def main(argv: list[str] | None = None) -> int:
                        **{k: v for k, v in vars(args).items() if k not in ("config", "out", "fp8")}},
         }  # fmt: skip
         result |= offline_and_invariance(tmp, args)
+        result["online"] = []
+        _save(args.out, result)
         vocab = min(int(cfg.get("vocab_size", 8192)), 8192)
-        result["online"] = [] if args.skip_online else online(tmp, args, vocab)
+        if not args.skip_online:
+            result["online"] = online(tmp, args, vocab, lambda levels: _save(args.out, {**result, "online": levels}))
     result["machine"] = _machine()
     if args.num_layers and result["online"]:  # a cut model: what one layer costs a decode step
         c1 = result["online"][0]
         result["tpot_per_layer_ms"] = round(c1["tpot_ms"] / args.num_layers, 3) if c1["tpot_ms"] else None
     _print_table(result)
-    line = json.dumps(result)
-    if args.out:
-        args.out.write_text(line + "\n")
-    print(line)
+    _save(args.out, result)
+    print(json.dumps(result))
     return 0 if all(result["invariance"].values()) else 1
+
+
+def _save(out: Path | None, result: dict[str, Any]) -> None:
+    """The result so far to ``--out`` (rewritten after each part: the last write is the whole run)."""
+    if out is not None:
+        out.write_text(json.dumps({**result, "machine": result.get("machine") or _machine()}) + "\n")
 
 
 def _machine() -> dict[str, Any]:
