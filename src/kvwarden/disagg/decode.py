@@ -26,7 +26,8 @@ import httpx
 from kvwarden.disagg.protocol import AbortReport, PeerInfo, PrefillOrder, PrefillReport
 from kvwarden.disagg.transfer import TransferAgent
 from kvwarden.engine.remote_kv import TransferMemory
-from kvwarden.server.async_engine import AsyncEngine, PrefillTimeoutError, RemotePrefillError
+from kvwarden.server.async_engine import AsyncEngine
+from kvwarden.server.engine_errors import PrefillTimeoutError, RemotePrefillError
 
 log = logging.getLogger("kvwarden.pd")
 

@@ -13,17 +13,12 @@ import logging
 import random
 from typing import TYPE_CHECKING, Any
 
-from kvwarden.cache.block_pool import BlockPool
-from kvwarden.cache.host_tier import HostTier, make_host_tier
-from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
-from kvwarden.cache.state_pool import StatePool
 from kvwarden.config import EngineConfig, resolve_device
-from kvwarden.engine.context_parallel import ContextParallel
-from kvwarden.engine.context_parallel.layer_split import owned_layers
+from kvwarden.engine.engine_parts import attach_host_tier, build_cache, build_runner
 from kvwarden.engine.engine_stats import engine_stats
-from kvwarden.engine.memory import check_scan_chunk, context_limit, num_cache_blocks
-from kvwarden.engine.model_runner import ModelRunner, StepLogits
+from kvwarden.engine.memory import context_limit
+from kvwarden.engine.model_runner import StepLogits
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.overlap import AheadStep, Overlap, why_not_overlapped
 from kvwarden.engine.prompt_ids import Prompt, prompt_ids
@@ -40,7 +35,6 @@ from kvwarden.engine.step_sampling import launch_tops, record_prompt_scores
 from kvwarden.engine.stop import update_text_and_check_stop
 from kvwarden.engine.structured.grammars import Grammars
 from kvwarden.engine.structured.state import GrammarFailure
-from kvwarden.engine.tensor_parallel import TensorParallel
 from kvwarden.layers.backends import make_ops
 from kvwarden.layers.cpu_ops import CompiledCpuOps
 from kvwarden.models.loader import LoadedModel, load_for
@@ -67,58 +61,12 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)  # compiled on first use
         self.max_model_len = context_limit(config.max_model_len, self.model_config)
         cache = config.cache
-        model = self.loaded.model
-        specs = model.recurrent_specs()
-        drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-        step_tokens = config.scheduler.max_num_batched_tokens
-        check_scan_chunk(specs, self.ops.scan_mode, cache.block_size, config.numerics.scan_chunk, step_tokens, drafts)
-        mtp_bytes = sum(t.numel() for t in self.loaded.mtp_weights.values()) * model.embed.element_size()
-        self.num_blocks = cache.num_blocks or num_cache_blocks(config, self.device, self.model_config, model, mtp_bytes)
-        self.pool = BlockPool(self.num_blocks, cache.enable_prefix_caching)
-        self.kv: KVCacheManager | HybridCacheManager = KVCacheManager(
-            self.pool, cache.block_size, cache.enable_prefix_caching
-        )
-        self.states: StatePool | None = None
-        if specs:
-            self.states = StatePool(
-                specs,
-                config.scheduler.max_num_seqs,
-                self.num_blocks,
-                config.numerics.scan_chunk,
-                self.ops.device,
-                pending={"chunked": "chunked", "grid": "ring"}.get(self.ops.scan_mode, "none"),
-            )
-            self.kv = HybridCacheManager(self.kv, self.states)
+        parts = build_cache(config, self.device, self.ops, self.loaded)
+        self.num_blocks, self.pool, self.kv, self.states = parts.num_blocks, parts.pool, parts.kv, parts.states
         self.spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size, speculative=self.spec is not None)
-        par = config.parallel
-        graph_mode = "off" if par.layer_split else config.cuda_graphs  # the split runs every step on all ranks
-        self.runner = ModelRunner(
-            model,
-            self.num_blocks,
-            cache.block_size,
-            config.numerics,
-            self.states,
-            cache.unsafe_host_load,
-            graphs=(graph_mode, self.max_model_len, config.scheduler.max_num_seqs),
-            spec_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
-            owned_layers=owned_layers(0, par.context_parallel_size, model.num_attention_layers)
-            if par.layer_split
-            else None,
-        )
-        self.parallel: ContextParallel | TensorParallel | None = None
-        if config.parallel.enabled:  # after the runner: the workers copy its pool's size and slot layout
-            self.parallel = ContextParallel(config, self.runner, self.num_blocks)
-            self.runner.attach_parallel(self.parallel)
-        elif config.parallel.tensor_parallel:
-            self.parallel = TensorParallel(config, self.runner, self.num_blocks)
-            self.runner.attach_parallel(self.parallel)
-        self.host: HostTier | None = None
-        if cache.host_cache_bytes:
-            if cache.unsafe_indexer_load and model.cfg.mla is None:
-                raise ValueError("unsafe_indexer_load: the model has no sparse-attention indexer (GLM-5, DeepSeek)")
-            self.host = make_host_tier(cache, self.runner.kv_caches, self.ops.device, self.states)
-            self.kv.attach_host(self.host)
+        self.runner, self.parallel = build_runner(config, self.loaded, parts, self.max_model_len)
+        self.host = attach_host_tier(config, self.loaded, self.runner, parts)
         self.speculator: Speculator | None = None
         if self.spec is not None:  # a draft model's engine is one of ours: the factory is this class
             self.speculator = Speculator(self.spec, self, LLMEngine)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from kvwarden.engine.outputs import RequestOutput
 from kvwarden.engine.sampling_params import SamplingParams
-from kvwarden.server.async_engine import (
-    AsyncEngine,
+from kvwarden.server.async_engine import AsyncEngine
+from kvwarden.server.engine_errors import (
     EngineDeadError,
     PrefillTimeoutError,
     QueueFullError,

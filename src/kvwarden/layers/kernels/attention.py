@@ -12,13 +12,12 @@ was chunked:
   exact no-ops like rows past a request's end. With one tile size for every
   step (``BLOCK_Q``), a decode step of position ``p`` lands in the same slot of
   the same-shaped tile as the prefill of ``p`` would (split tile sizes: below).
-* Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0 (a constant
-  of the model's head shape, :func:`key_tile`), and
-  grouped into splits of ``SPLIT`` keys at fixed absolute boundaries
-  (0, SPLIT, 2*SPLIT, ...). Each split keeps its own online-softmax state
-  (running max, sum, accumulator); the splits are then combined in split order
-  with one fixed formula. So a row's arithmetic is a function of its position
-  only: the same tiles, in the same order, with the same split boundaries.
+* Keys are walked in tiles of ``BLOCK_N`` aligned to key position 0 (a constant of the model's head
+  shape, :func:`key_tile`), grouped into splits of ``SPLIT`` keys at fixed absolute boundaries
+  (0, SPLIT, 2*SPLIT, ...). Each split keeps its own online-softmax state (running max, sum,
+  accumulator); the splits are then combined in split order with one fixed formula. So a row's
+  arithmetic is a function of its position only: the same tiles, in the same order, with the same
+  split boundaries.
 * Tiles beyond a row's position (there when other rows of its tile reach
   further) are exact no-ops: their scores are ``-inf``, the running max is
   unchanged, the rescale factor is ``exp(0) = 1`` and the added terms are
@@ -38,12 +37,10 @@ was chunked:
   Everywhere else (float32's CUDA-core products, the CPU interpreter) one ``BLOCK_Q`` tile on four
   warps serves every step, and the argument above is the whole of it.
 
-The split structure is what makes the parallel form (flash-decoding: one
-program per split storing its state, then a fold) bitwise equal to the
-sequential one: both compute each split's state with the same function
-(``_split_state``) and fold the states in split order with the same function
-(``_merge``). Which form runs is a speed choice (few query tiles over long
-contexts: parallel), never a numerical one.
+The split structure is what makes the parallel form (flash-decoding: one program per split storing
+its state, then a fold) bitwise equal to the sequential one: both compute each split's state with the
+same function (``_split_state``) and fold the states in split order with the same function (``_merge``).
+Which form runs is a speed choice (few query tiles over long contexts: parallel), never a numerical one.
 """
 
 from __future__ import annotations
