@@ -8,7 +8,7 @@
 #   scripts/gpu_check.sh full tests matrix            # only these stages of a mode (each call < 10 min)
 #   scripts/gpu_check.sh full agreement throughput
 #   scripts/gpu_check.sh full hosttier                # host-tier tests on the GPU, TTFT by tier, multi-turn
-#   scripts/gpu_check.sh full speed                   # the whole table (dense + both hybrids), one bench/gpu.py run
+#   scripts/gpu_check.sh full speed                   # the whole table (dense + both hybrids), one kvwarden bench gpu run
 #                                                     # (SPEED_ARGS replaces its flags; parts past the deadline skip)
 #   scripts/gpu_check.sh full tests profile           # GPU tests, then where a decode step's time goes
 #   scripts/gpu_check.sh full gemm                    # the GEMM's fixed splits of K against the unsplit kernel
@@ -96,7 +96,7 @@ fi
 
 if want matrix; then
   stage "invariance matrix, bfloat16 (${MODELS[*]})"
-  timeout 480 python3 bench/invariance.py --device cuda --dtype bfloat16 --prompt-len "$PROMPT" "${MODELS[@]}" \
+  timeout 480 python3 -m kvwarden bench invariance --device cuda --dtype bfloat16 --prompt-len "$PROMPT" "${MODELS[@]}" \
     --spec ngram:3 --spec mtp:2 \
     2>&1 | tee "$OUT/invariance.log" | grep -v '^{' | tail -n 20
   tail -n 1 "$OUT/invariance.log" > "$OUT/invariance.json"
@@ -107,7 +107,7 @@ fi
 if want agreement; then
   for DT in float32 bfloat16; do
     stage "agreement with transformers, $DT"
-    timeout 300 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical --numerics shape-dependent \
+    timeout 300 python3 -m kvwarden bench agreement --device cuda --dtype "$DT" --numerics canonical --numerics shape-dependent \
       "${AGREE[@]}" 2>&1 | tee "$OUT/agreement-$DT.log" | grep '^|'
     tail -n 1 "$OUT/agreement-$DT.log" > "$OUT/agreement-$DT.json"
     record "agreement $DT (equal prompts, median |Δ| likely)" "$(python3 -c "import json; d=json.load(open('$OUT/agreement-$DT.json'))['models']; print({m: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for m, s in d.items()})" 2>&1 | tail -n 1)"
@@ -116,7 +116,7 @@ fi
 
 if [ "$MODE" = full ] && want throughput; then
   stage "throughput: kvwarden canonical, kvwarden fast path, transformers generate (bfloat16)"
-  timeout 400 python3 bench/offline.py --device cuda --dtype bfloat16 --models builtin:qwen3-0.6b \
+  timeout 400 python3 -m kvwarden bench offline --device cuda --dtype bfloat16 --models builtin:qwen3-0.6b \
     --num-requests 64 --min-input 100 --max-input 512 --min-output 64 --max-output 256 \
     --max-num-seqs 64 --max-num-batched-tokens 4096 --hf-batch 64 2>&1 | tee "$OUT/offline.log" | tail -n 14
   tail -n 1 "$OUT/offline.log" > "$OUT/offline.json"
@@ -125,7 +125,7 @@ fi
 
 if [ "$MODE" = full ] && want spec; then
   stage "speculative decoding: acceptance and tok/s per proposer and k, batch 1 and 16 (bfloat16)"
-  timeout 420 python3 bench/spec.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b \
+  timeout 420 python3 -m kvwarden bench spec --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b \
     --model builtin:qwen3_next-0.6b --ks 2,4 --batches 1,16 --max-tokens 32 --repeats 1 2>&1 | tee "$OUT/spec.log" | tail -n 30
   tail -n 1 "$OUT/spec.log" > "$OUT/spec.json"
   record "spec: output equal to speculation off" "$(python3 -c "import json; print(all(r['identical_to_off'] for r in json.load(open('$OUT/spec.json'))['rows']))" 2>&1 | tail -n 1)"
@@ -133,7 +133,7 @@ fi
 
 if want tune; then
   stage "GEMM tiles: every candidate per weight shape of the 0.6b presets, timed at 1..4096 rows"
-  timeout "${TUNE_TIMEOUT:-300}" python3 bench/tune_gemm.py ${TUNE_ARGS:---model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b} \
+  timeout "${TUNE_TIMEOUT:-300}" python3 -m kvwarden bench tune_gemm ${TUNE_ARGS:---model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b} \
     --out "$OUT/gemm_tuned.json" 2>&1 | tee "$OUT/tune_gemm.log" | grep -v '^{' | tail -n 30
   [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"
   record "GEMM tuning (shapes, all candidates invariant)" "$(python3 -c "import json; d=json.loads(open('$OUT/tune_gemm.log').read().splitlines()[-1])['shapes']; print(len(d), all(v['all_invariant'] for v in d.values()))" 2>&1 | tail -n 1)"
@@ -141,7 +141,7 @@ fi
 
 if want gemm; then  # the canonical GEMM's fixed splits of K against the unsplit kernel, per weight shape
   stage "GEMM: fixed splits of K (walked, parallel) against the unsplit kernel, 1..2048 rows, bitwise checks"
-  timeout "${GEMM_TIMEOUT:-240}" python3 bench/gemm_split.py ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_split.log" | grep -v '^{' | tail -n 60
+  timeout "${GEMM_TIMEOUT:-240}" python3 -m kvwarden bench gemm_split ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_split.log" | grep -v '^{' | tail -n 60
   tail -n 1 "$OUT/gemm_split.log" > "$OUT/gemm_split.json"
   record "GEMM splits: bitwise; b1 chosen vs unsplit (0.6b)" "$(python3 -c "import json; d=json.load(open('$OUT/gemm_split.json')); print(d['bitwise'], [(r['name'].split()[-1], round(r['unsplit_us'] / r['chosen_us'], 2)) for r in d['rows'] if r['rows'] == 1 and r['name'].startswith('qwen3-0.6b')])" 2>&1 | tail -n 1)"
 fi
@@ -149,7 +149,7 @@ fi
 if want gemv; then  # narrower output tiles for GEMV-shaped launches: time, and the bits against the table's tiles
   stage "GEMV: BLOCK_N / stages variants of each weight's configuration at 1-64 rows, bitwise against 2,048 rows"
   # GEMV_WRITE=1: record this GPU's few-rows entries into $OUT/gemm_tuned.json; later stages of the call use it
-  timeout "${GEMV_TIMEOUT:-400}" python3 bench/gemv.py ${GEMV_WRITE:+--write "$OUT/gemm_tuned.json" --rows 1,16,64} \
+  timeout "${GEMV_TIMEOUT:-400}" python3 -m kvwarden bench gemv ${GEMV_WRITE:+--write "$OUT/gemm_tuned.json" --rows 1,16,64} \
     ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log" | grep -v '^{' | tail -n 150
   [ -n "${GEMV_WRITE:-}" ] && [ -s "$OUT/gemm_tuned.json" ] && export KVWARDEN_GEMM_TABLE="$OUT/gemm_tuned.json"
   tail -n 1 "$OUT/gemv.log" > "$OUT/gemv.json"
@@ -164,7 +164,7 @@ if want qtiles; then  # #29 item 2: may decode tiles of one position share the b
   for SPEC in ${QTILES_SHAPES:-16,8,128:1,64 32,8,128:1,32 16,2,256:1,16 14,2,64:1,16 9,3,64:1,32 64,8,128:1,16 16,8,128:1,64:float32}; do
     IFS=: read -r H QT DT <<< "$SPEC"
     L="qtiles-${H//,/-}-${DT:-bfloat16}"
-    timeout "${QTILES_TIMEOUT:-100}" python3 bench/attention_tiles.py --heads "$H" --query-tiles "$QT" --dtype "${DT:-bfloat16}" \
+    timeout "${QTILES_TIMEOUT:-100}" python3 -m kvwarden bench attention_tiles --heads "$H" --query-tiles "$QT" --dtype "${DT:-bfloat16}" \
       ${QTILES_CANDIDATES:---candidate 32,1,2 --candidate 64,1,2} --prefill-warps 8 --base-warps "${QTILES_BASE_WARPS:-4}" 2>&1 | tee "$OUT/$L.log" | grep -v '^{' | tail -n 5
     record "$L $QT: (tiles, dec=pre rows, pre=16-tile pre, dec us, pre us)" "$(python3 -c "import json; d=json.loads(open('$OUT/$L.log').read().splitlines()[-1]); print([(r['tiles'][0], '%s/%s' % (r['query_tiles']['positions'] - r['query_tiles']['decode_rows_differ'], r['query_tiles']['positions']), r['query_tiles']['prefill_equals_default'], [round(v) for v in r['query_tiles']['us'].values()], round(r['query_tiles']['prefill_us']), [round(v) for v in r['us'].values()], round(r['prefill_us'])) for r in d['rows'] if 'positions' in r.get('query_tiles', {})])" 2>&1 | tail -n 1)"
   done
@@ -172,18 +172,18 @@ fi
 
 if want attntiles; then  # the attention kernel's key tile, warps and stages on decode and prefill shapes
   stage "attention tiles: (BLOCK_N, warps, stages) candidates, decode b1/b64/b256 and a 2,048-token prefill"
-  timeout "${ATTN_TIMEOUT:-200}" python3 bench/attention_tiles.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention_tiles.log" | grep -v '^{' | tail -n 20
+  timeout "${ATTN_TIMEOUT:-200}" python3 -m kvwarden bench attention_tiles ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention_tiles.log" | grep -v '^{' | tail -n 20
   tail -n 1 "$OUT/attention_tiles.log" > "$OUT/attention_tiles.json"
   record "attention tiles: (tiles, decode=prefill, us)" "$(python3 -c "import json; d=json.load(open('$OUT/attention_tiles.json')); print([(tuple(r['tiles']), r['decode_equals_prefill'], [round(v) for v in r['us'].values()], round(r['prefill_us'])) for r in d['rows']])" 2>&1 | tail -n 1)"
 fi
 
-speed() {  # $1: log name, then bench/gpu.py flags; the JSON is saved after every part (a timeout keeps it)
+speed() {  # $1: log name, then kvwarden bench gpu flags; the JSON is saved after every part (a timeout keeps it)
   local name=$1; shift
   local limit=${SPEED_TIMEOUT:-585}
   # CALL_BUDGET_S: the device call's whole limit; this run gets what the earlier stages left of it
   [ -n "${CALL_BUDGET_S:-}" ] && limit=$(( CALL_BUDGET_S - ($(date +%s) - T0) - 15 ))
   rm -f "$OUT/$name.json"
-  timeout "$limit" python3 bench/gpu.py --save "$OUT/$name.json" --deadline-s "${SPEED_DEADLINE:-$(( limit - 75 ))}" \
+  timeout "$limit" python3 -m kvwarden bench gpu --save "$OUT/$name.json" --deadline-s "${SPEED_DEADLINE:-$(( limit - 75 ))}" \
     "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -n 80
 }
 # before 'speed': a call of 'mtptrain speed' measures MTP on the trained model inside the speed run
@@ -196,7 +196,7 @@ if [ "$MODE" = full ] && want mtptrain; then  # acceptance that means something:
   want speed || SPEED_TIMEOUT=240 speed gpu_mtp --model "$TRAINED" --hybrid none --skip-offline --skip-rows --spec-model "$TRAINED"
   want speed || record "MTP k=2 on trained small (b: off/on tok/s, accept, equal)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_mtp.json')); print([(r['batch'], round(r['off_tok_s']), round(r['on_tok_s']), round(r['accept_length'], 2), r['identical']) for r in d['spec']])" 2>&1 | tail -n 1)"
 fi
-if [ "$MODE" = full ] && want speed; then  # the whole table: dense and both hybrids, one bench/gpu.py run
+if [ "$MODE" = full ] && want speed; then  # the whole table: dense and both hybrids, one kvwarden bench gpu run
   stage "speed: offline (${SPEED_REQUESTS:-256} sequences), decode by batch, TTFT; dense, Qwen3-Next and Granite styles"
   # MTP k=2 against speculation off in the same run, on a trained model: SPEED_SPEC_MODEL, or the one the
   # mtptrain stage of this call made
@@ -235,10 +235,10 @@ if [ "$MODE" = full ] && want serving; then  # #29: the server under load; prefi
   record "shared vs unshared prompts, output tok/s (cached share)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_serving.json')); print([(r['engine'][:4], r['workload'], round(r['output_tok_s']), round(r['cached_share'], 2)) for r in d.get('shared', [])])" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want overlap; then  # #29: async scheduling against serial steps, alternating on one card
-  stage "async scheduling A/B: a steady decode step's wall time, serial vs overlapped (bench/host_profile.py)"
+  stage "async scheduling A/B: a steady decode step's wall time, serial vs overlapped (kvwarden bench host_profile)"
   for ROUND in ${OVERLAP_ROUNDS:-1 2}; do
     for KIND in serial async; do
-      timeout 150 python3 bench/host_profile.py --steps 64 --top 12 ${OVERLAP_ARGS:---batch 1 --batch 64 --batch 256} \
+      timeout 150 python3 -m kvwarden bench host_profile --steps 64 --top 12 ${OVERLAP_ARGS:---batch 1 --batch 64 --batch 256} \
         $([ $KIND = serial ] && echo --serial) 2>&1 | tee "$OUT/overlap-$KIND-$ROUND.log" | grep '^batch'
       tail -n 1 "$OUT/overlap-$KIND-$ROUND.log" > "$OUT/overlap-$KIND-$ROUND.json"
       record "overlap $KIND round $ROUND: step ms|kernels ms" "$(python3 -c "import json; d=json.load(open('$OUT/overlap-$KIND-$ROUND.json')); print([(r['batch'], round(r['step_s'] * 1e3, 2), round(r['gpu_busy_s'] * 1e3, 2)) for r in d['rows']])" 2>&1 | tail -n 1)"
@@ -247,14 +247,14 @@ if [ "$MODE" = full ] && want overlap; then  # #29: async scheduling against ser
 fi
 if [ "$MODE" = full ] && want profile; then
   stage "where time goes: one prefill chunk and one decode step, kernel groups beside their ceilings"
-  timeout 200 python3 bench/gpu_profile.py 2>&1 | tee "$OUT/gpu_profile.log" | grep -v -e '^{' -e USDT | tail -n 30
+  timeout 200 python3 -m kvwarden bench gpu_profile 2>&1 | tee "$OUT/gpu_profile.log" | grep -v -e '^{' -e USDT | tail -n 30
   tail -n 1 "$OUT/gpu_profile.log" > "$OUT/gpu_profile.json"
   record "profile: decode step ms (eager, graph)" "$(python3 -c "import json; d=json.load(open('$OUT/gpu_profile.json')); print(round(d['decode_step_s_eager'] * 1e3, 2), round(d['decode_step_s_graph'] * 1e3, 2))" 2>&1 | tail -n 1)"
 fi
 
 if [ "$MODE" = full ] && want pd; then  # disaggregated prefill/decode: three servers sharing the one GPU
   stage "disaggregated prefill/decode on one GPU: single vs prefill + decode instances (NIXL over UCX, CUDA IPC)"
-  timeout 300 python3 bench/pd.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b --num-requests 32 \
+  timeout 300 python3 -m kvwarden bench pd --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b --num-requests 32 \
     --concurrency 8 --long-prompt 2048,4096 --short-prompt 64,128 --short-output 16 --long-output 256 \
     --server-arg=--num-blocks=4096 2>&1 | tee "$OUT/pd.log" | grep -v '^{' | tail -n 25
   tail -n 1 "$OUT/pd.log" > "$OUT/pd.json"
@@ -264,7 +264,7 @@ fi
 
 if want fla; then  # what the field maintains: flash-linear-attention's kernels (fla-core from .whl/) against ours
   stage "gated DeltaNet kernels: kvwarden vs flash-linear-attention (speed and invariance, Qwen3-Next-80B's shape)"
-  timeout "${FLA_TIMEOUT:-240}" python3 bench/fla_compare.py 2>&1 | tee "$OUT/fla.log" | grep -v '^{' | tail -n 20
+  timeout "${FLA_TIMEOUT:-240}" python3 -m kvwarden bench fla_compare 2>&1 | tee "$OUT/fla.log" | grep -v '^{' | tail -n 20
   tail -n 1 "$OUT/fla.log" > "$OUT/fla.json"
   record "fla: bitwise (two calls, decode, partner)" "$(python3 -c "import json; d=json.load(open('$OUT/fla.json')); print({k: list(v.values()) for k, v in d['invariance'].items()})" 2>&1 | tail -n 1)"
 fi
@@ -278,14 +278,14 @@ if [ "$MODE" = full ] && want hybridspeed; then  # the hybrid's rows only (the d
 fi
 if [ "$MODE" = full ] && want hybridprofile; then
   stage "hybrid profile: one prefill chunk and one decode step by kernel group (eager), the graph step's time"
-  timeout "${PROFILE_TIMEOUT:-200}" python3 bench/gpu_profile.py --model "${PROFILE_MODEL:-builtin:qwen3_next-0.6b}" ${PROFILE_ARGS:-} \
+  timeout "${PROFILE_TIMEOUT:-200}" python3 -m kvwarden bench gpu_profile --model "${PROFILE_MODEL:-builtin:qwen3_next-0.6b}" ${PROFILE_ARGS:-} \
     2>&1 | tee "$OUT/hybrid_profile.log" | grep -v -e '^{' -e USDT | tail -n 40
   tail -n 1 "$OUT/hybrid_profile.log" > "$OUT/hybrid_profile.json"
   record "hybrid profile: decode step ms (eager, graph)" "$(python3 -c "import json; d=json.load(open('$OUT/hybrid_profile.json')); print(round(d['decode_step_s_eager'] * 1e3, 2), round(d['decode_step_s_graph'] * 1e3, 2))" 2>&1 | tail -n 1)"
 fi
 if [ "$MODE" = full ] && want hybridmatrix; then
   stage "invariance matrix, hybrids only, canonical, greedy and seeded, speculation on and off (bfloat16)"
-  timeout "${MATRIX_TIMEOUT:-480}" python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical \
+  timeout "${MATRIX_TIMEOUT:-480}" python3 -m kvwarden bench invariance --device cuda --dtype bfloat16 --numerics canonical \
     ${MATRIX_ARGS:---prompt-len 300 --model builtin:qwen3_next-0.6b --model builtin:granite_hybrid-small --spec ngram:3 --spec mtp:2} \
     2>&1 | tee "$OUT/hybrid_invariance.log" | grep -v '^{' | tail -n 20
   tail -n 1 "$OUT/hybrid_invariance.log" > "$OUT/hybrid_invariance.json"
@@ -293,7 +293,7 @@ if [ "$MODE" = full ] && want hybridmatrix; then
 fi
 if want truth; then  # bfloat16 error of kvwarden and of transformers against transformers in float32, same weights
   stage "bfloat16 error against float32 truth on the same bf16-rounded weights (kvwarden vs transformers)"
-  timeout "${TRUTH_TIMEOUT:-300}" python3 bench/agreement.py --device cuda --dtype bfloat16 --truth \
+  timeout "${TRUTH_TIMEOUT:-300}" python3 -m kvwarden bench agreement --device cuda --dtype bfloat16 --truth \
     ${TRUTH_ARGS:---prompts 16 --model builtin:qwen3_next-0.6b --model builtin:qwen3-0.6b} 2>&1 | tee "$OUT/truth.log" | grep '^|'
   tail -n 1 "$OUT/truth.log" > "$OUT/truth.json"
   record "truth: median|max first-token error (kvwarden, hf)" "$(python3 -c "import json; d=json.load(open('$OUT/truth.json'))['models']; print({m: s.get('truth') for m, s in d.items()})" 2>&1 | tail -n 1)"
@@ -301,7 +301,7 @@ fi
 
 if [ "$MODE" = full ] && want sweep; then  # every published configuration, both dtypes from one checkpoint each
   stage "sweep over published configurations on the GPU, float32 (bound 1e-3) and bfloat16 (0.25), experts <= ${SWEEP_EXPERTS:-64}"
-  timeout "${SWEEP_TIMEOUT:-420}" python3 bench/sweep.py --device cuda --dtype float32:1e-3 --dtype bfloat16:0.25 \
+  timeout "${SWEEP_TIMEOUT:-420}" python3 -m kvwarden bench sweep --device cuda --dtype float32:1e-3 --dtype bfloat16:0.25 \
     --max-experts "${SWEEP_EXPERTS:-64}" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | grep -e '^|' -e '^\[sweep\]'
   tail -n 1 "$OUT/sweep.log" > "$OUT/sweep.json"
   record "sweep: rows agreeing or refused (f32, bf16)" "$(python3 -c "import json; r=json.load(open('$OUT/sweep.json'))['rows']; print(*(f\"{d}: {sum(x['status'] in ('agrees', 'refused') for x in r if x['dtype'] == d)} of {sum(x['dtype'] == d for x in r)}\" for d in ('float32', 'bfloat16')))" 2>&1 | tail -n 1)"
@@ -320,10 +320,10 @@ if [ "$MODE" = full ] && want scale; then  # #60 item 4: the seeds' models at re
     IFS=: read -r CFG FP8 LAYERS <<< "$SPEC"
     NAME=$(basename "$CFG")
     stage "scale: $CFG${FP8:+ as FP8}${LAYERS:+, first $LAYERS layers}, dummy weights, bfloat16: load, offline, (b)(e)(f), c=1/8/64"
-    timeout "${SCALE_TIMEOUT:-560}" python3 -m kvwarden.bench.scale --config "bench/configs/$CFG.json" --device cuda \
+    timeout "${SCALE_TIMEOUT:-560}" python3 -m kvwarden bench scale --config "bench/configs/$CFG.json" --device cuda \
       --dtype bfloat16 ${FP8:+--fp8} ${LAYERS:+--num-layers $LAYERS} --out "$OUT/scale-$NAME.json" ${SCALE_ARGS:-} \
       2>&1 | tee "$OUT/scale-$NAME.log" | grep -v '^{' | tail -n 12
-    record "scale $NAME: layers, load s, offline tok/s, [c, tok/s, TPOT ms], b/e/f" "$(python3 bench/scale_summary.py "$OUT/scale-$NAME.json" 2>&1 | tail -n 1)"
+    record "scale $NAME: layers, load s, offline tok/s, [c, tok/s, TPOT ms], b/e/f" "$(python3 -m kvwarden bench scale --summarize "$OUT/scale-$NAME.json" 2>&1 | tail -n 1)"
   done
 fi
 
@@ -339,7 +339,7 @@ if want smollm2; then  # the real model: its GGUF joined from the carried parts,
   fi
   if [ -f "$GGUF" ] && (cd "$CARRY" && sha256sum -c SmolLM2-135M-Instruct.Q4_1.gguf.sha256); then
     for DT in float32 bfloat16; do
-      timeout 240 python3 bench/agreement.py --device cuda --dtype "$DT" --model "$GGUF" --prompts 8 \
+      timeout 240 python3 -m kvwarden bench agreement --device cuda --dtype "$DT" --model "$GGUF" --prompts 8 \
         2>&1 | tee "$OUT/smollm2-agreement-$DT.log" | grep '^|'
       tail -n 1 "$OUT/smollm2-agreement-$DT.log" > "$OUT/smollm2-agreement-$DT.json"
       record "smollm2 agreement $DT (equal, prompts, median)" "$(python3 -c "import json; d=json.load(open('$OUT/smollm2-agreement-$DT.json'))['models']; print([(s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for s in d.values()])" 2>&1 | tail -n 1)"
@@ -356,7 +356,7 @@ fi
 if want diag; then  # which side is off when the engines disagree: both on the CPU and on the GPU
   stage "reference diagnosis: transformers and kvwarden, CPU and GPU, float32 (${DIAG_MODELS:-builtin:granite_hybrid_moe-small})"
   DM=(); for M in ${DIAG_MODELS:-builtin:granite_hybrid_moe-small builtin:granite_hybrid-small}; do DM+=(--model "$M"); done
-  timeout "${DIAG_TIMEOUT:-180}" python3 bench/diag_reference.py "${DM[@]}" 2>&1 | tee "$OUT/diag.log" | grep -v -e '^{' -e Loading -e falling | tail -n 30
+  timeout "${DIAG_TIMEOUT:-180}" python3 -m kvwarden bench diag_reference "${DM[@]}" 2>&1 | tee "$OUT/diag.log" | grep -v -e '^{' -e Loading -e falling | tail -n 30
 fi
 
 if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa / DeepseekV32: the carried wheel is the reference
@@ -375,14 +375,14 @@ if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa /
     # bfloat16: a selection flip moves a logprob by nats, so each engine is also measured against float32 truth
     TRUTH=$([ "$DT" = bfloat16 ] && echo --truth)
     stage "sparse attention against the carried transformers, $DT $TRUTH"
-    with_reference timeout 300 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical $TRUTH \
+    with_reference timeout 300 python3 -m kvwarden bench agreement --device cuda --dtype "$DT" --numerics canonical $TRUTH \
       "${DSA[@]}" --model "$DSA_BIG" 2>&1 | tee "$OUT/dsa-agreement-$DT.log" | grep '^|'
     tail -n 1 "$OUT/dsa-agreement-$DT.log" > "$OUT/dsa-agreement-$DT.json"
     record "DSA agreement $DT (equal, prompts, median, truth)" "$(python3 -c "import json; d=json.load(open('$OUT/dsa-agreement-$DT.json'))['models']; print({m.split(':')[-1].split(' ')[0]: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4), s.get('truth')) for m, s in d.items()})" 2>&1 | tail -n 1)"
   done
   if dsa_part invariance; then
   stage "sparse attention invariance (a)-(j), canonical, bfloat16"
-  timeout 240 python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 "${DSA[@]}" \
+  timeout 240 python3 -m kvwarden bench invariance --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 "${DSA[@]}" \
     2>&1 | tee "$OUT/dsa-invariance.log" | grep -v '^{' | tail -n 8
   tail -n 1 "$OUT/dsa-invariance.log" > "$OUT/dsa-invariance.json"
   record "DSA invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/dsa-invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
@@ -390,7 +390,7 @@ if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa /
   if dsa_part topk; then
   stage "key selection vs torch.topk (4K-64K keys, 1-256 rows); $DSA_BIG prefill/decode at 4K beside qwen3-0.6b"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader  # nothing should hold the GPU now
-  timeout 400 python3 bench/topk.py --device cuda --rows 1 16 64 256 2048 ${TOPK_ARGS:-} --variants --dsa-model "$DSA_BIG" \
+  timeout 400 python3 -m kvwarden bench topk --device cuda --rows 1 16 64 256 2048 ${TOPK_ARGS:-} --variants --dsa-model "$DSA_BIG" \
     --dense-model builtin:qwen3-0.6b --prompt-len 4096 --decode-tokens 33 2>&1 | tee "$OUT/topk.log" | grep -v '^{' | tail -n 56
   tail -n 1 "$OUT/topk.log" > "$OUT/topk.json"
   record "top-k: torch.topk / triton at 8K-64K keys" "$(python3 -c "import json; d=json.load(open('$OUT/topk.json'))['selection']; print([(r['keys'], r['rows'], round(r['torch_topk_ms'] / r['triton_ms'], 2)) for r in d if r['keys'] >= 8192])" 2>&1 | tail -n 1)"
@@ -400,7 +400,7 @@ if want dsa; then  # sparse attention (#30); transformers 5.17 lacks GlmMoeDsa /
   fi
   if dsa_part sink; then  # the bucket shortcut's worst case: one far larger score per row (the passes over the row)
   stage "key selection with an attention sink (one score of 1000 per row), 16K-64K keys x 256-2,048 rows"
-  timeout 200 python3 bench/topk.py --device cuda --no-models --sink --keys 16384 65536 --rows 256 2048 --variants \
+  timeout 200 python3 -m kvwarden bench topk --device cuda --no-models --sink --keys 16384 65536 --rows 256 2048 --variants \
     2>&1 | tee "$OUT/topk-sink.log" | grep -v '^{' | tail -n 20
   tail -n 1 "$OUT/topk-sink.log" > "$OUT/topk-sink.json"
   record "top-k with a sink: torch.topk / triton" "$(python3 -c "import json; d=json.load(open('$OUT/topk-sink.json'))['selection']; print([(r['keys'], r['rows'], round(r['torch_topk_ms'] / r['triton_ms'], 2)) for r in d])" 2>&1 | tail -n 1)"
@@ -410,7 +410,7 @@ fi
 if want granite; then  # GraniteMoeHybrid with n_groups > 1 needs transformers >= 5.23 as the reference
   for DT in float32 bfloat16; do
     stage "Granite presets against the carried transformers ($(with_reference python3 -c 'import transformers; print(transformers.__version__)' 2>&1 | tail -n 1)), $DT"
-    with_reference timeout 200 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical \
+    with_reference timeout 200 python3 -m kvwarden bench agreement --device cuda --dtype "$DT" --numerics canonical \
       --model builtin:granite_hybrid_moe-small --model builtin:granite_hybrid-small \
       2>&1 | tee "$OUT/granite-agreement-$DT.log" | grep '^|'
     tail -n 1 "$OUT/granite-agreement-$DT.log" > "$OUT/granite-agreement-$DT.json"
@@ -420,7 +420,7 @@ fi
 
 if want specprofile; then  # where a speculative step's time goes, phase by phase (#27 item 1)
   stage "speculative step phases: MTP k=2 vs off, ${SPECPROF_MODEL:-builtin:qwen3_next-small}, bfloat16"
-  timeout "${SPECPROF_TIMEOUT:-200}" python3 bench/spec_profile.py --device cuda --dtype bfloat16 \
+  timeout "${SPECPROF_TIMEOUT:-200}" python3 -m kvwarden bench spec_profile --device cuda --dtype bfloat16 \
     --model "${SPECPROF_MODEL:-builtin:qwen3_next-small}" ${SPECPROF_ARGS:-} 2>&1 | tee "$OUT/spec_profile.log" | grep -v '^{' | tail -n 45
   tail -n 1 "$OUT/spec_profile.log" > "$OUT/spec_profile.json"
   record "spec profile: ms/step (off b1, on b1, on b16)" "$(python3 -c "import json; d=json.load(open('$OUT/spec_profile.json'))['rows']; print({k: round(1e3 * r['wall_s'] / r['steps'], 2) for k, r in d.items()})" 2>&1 | tail -n 1)"
@@ -433,14 +433,14 @@ if want families; then  # the families users bring (#28): agreement both dtypes,
   for DT in float32 bfloat16; do
     [[ "$FAMPARTS" == *" agreement "* ]] || break
     stage "families: agreement with transformers, $DT (${FAM[*]})"
-    timeout 200 python3 bench/agreement.py --device cuda --dtype "$DT" --numerics canonical "${FAM[@]}" \
+    timeout 200 python3 -m kvwarden bench agreement --device cuda --dtype "$DT" --numerics canonical "${FAM[@]}" \
       2>&1 | tee "$OUT/families-agreement-$DT.log" | grep '^|'
     tail -n 1 "$OUT/families-agreement-$DT.log" > "$OUT/families-agreement-$DT.json"
     record "families agreement $DT (equal, prompts, median)" "$(python3 -c "import json; d=json.load(open('$OUT/families-agreement-$DT.json'))['models']; print({m.split(':')[-1].split(' ')[0]: (s['all_tokens_equal'], s['prompts'], round(s['median_max_abs_dlogprob_likely'], 4)) for m, s in d.items()})" 2>&1 | tail -n 1)"
   done
   if [[ "$FAMPARTS" == *" invariance "* ]]; then
   stage "families: invariance (a)-(j), canonical, bfloat16, greedy and seeded"
-  timeout 240 python3 bench/invariance.py --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 \
+  timeout 240 python3 -m kvwarden bench invariance --device cuda --dtype bfloat16 --numerics canonical --prompt-len 200 \
     "${FAM[@]}" 2>&1 | tee "$OUT/families-invariance.log" | grep -v '^{' | tail -n 16
   tail -n 1 "$OUT/families-invariance.log" > "$OUT/families-invariance.json"
   record "families invariance: canonical all identical" "$(python3 -c "import json; print(json.load(open('$OUT/families-invariance.json'))['canonical_all_identical'])" 2>&1 | tail -n 1)"
@@ -451,7 +451,7 @@ if want families; then  # the families users bring (#28): agreement both dtypes,
     rm -rf "/tmp/truth-$CFG"
     python3 -m kvwarden.cli make-model --config "bench/configs/$CFG.json" --num-layers 2 --dtype bfloat16 \
       --out "/tmp/truth-$CFG" >/dev/null 2>&1
-    timeout 240 python3 bench/agreement.py --device cuda --dtype bfloat16 --truth --prompts 16 --model "/tmp/truth-$CFG" \
+    timeout 240 python3 -m kvwarden bench agreement --device cuda --dtype bfloat16 --truth --prompts 16 --model "/tmp/truth-$CFG" \
       2>&1 | tee "$OUT/truth-$CFG.log" | grep '^|'
     tail -n 1 "$OUT/truth-$CFG.log" > "$OUT/truth-$CFG.json"
     record "truth $CFG: median|max (kvwarden, hf)" "$(python3 -c "import json; d=json.load(open('$OUT/truth-$CFG.json'))['models']; print([s.get('truth') for s in d.values()])" 2>&1 | tail -n 1)"
@@ -469,7 +469,7 @@ if want hosttier; then
     HT=(--model builtin:llama-small --prefixes 1024,3584 --turn-pool-tokens 2048)
   fi
   stage "host tier: TTFT by tier and a multi-turn workload 4x the device pool (bfloat16; ${HT[*]})"
-  timeout 420 python3 bench/host_tier.py --device cuda --dtype bfloat16 --budget 8192 "${HT[@]}" --repeats 2 \
+  timeout 420 python3 -m kvwarden bench host_tier --device cuda --dtype bfloat16 --budget 8192 "${HT[@]}" --repeats 2 \
     2>&1 | tee "$OUT/host_tier.log" | tail -n 24
   tail -n 1 "$OUT/host_tier.log" > "$OUT/host_tier.json"
   record "host tier TTFT s (prefix: recompute/device/host)" "$(python3 -c "import json; print({r['prefix']: (round(r['recompute_s'], 3), round(r['device_s'], 3), round(r['host_s'], 3)) for r in json.load(open('$OUT/host_tier.json'))['ttft']})" 2>&1 | tail -n 1)"

@@ -1,6 +1,6 @@
 """The bench toolkit (``kvwarden.bench``: workloads, streaming client, launcher) against a real server.
 
-``bench/online.py`` runs each workload against ``kvwarden serve`` on loopback and its last JSON line
+``kvwarden bench online`` runs each workload against ``kvwarden serve`` on loopback and its last JSON line
 is checked: every request completed, and where the workload repeats a prefix, the server's usage
 reports cached tokens (the prefix cache is on by default).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from kvwarden.bench.stats import latency_ms, pct
 from kvwarden.bench.stream_client import completion_body, served_model, stream_completion
 from kvwarden.probe.launchers import RunningServer, ServerSettings, free_port
 
-ONLINE = Path(__file__).resolve().parent.parent / "bench" / "online.py"
+BENCH = Path(__file__).resolve().parent.parent / "src" / "kvwarden" / "bench"
 BLOCK = 16
 
 
@@ -38,10 +39,43 @@ def server(llama_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def online(url: str, *args: str) -> dict:
     done = subprocess.run(
-        [sys.executable, str(ONLINE), "--url", url, *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kvwarden", "bench", "online", "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def kvwarden(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvwarden", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bench_entry_point_lists_runs_and_refuses() -> None:
+    listing = kvwarden("bench", "--help")
+    assert listing.returncode == 0, listing.stderr
+    names = re.findall(r"^  (\w+) {2,}\S", listing.stdout.split("benchmarks:", 1)[1], flags=re.M)
+    for name in ("offline", "online", "invariance", "agreement", "scale", "tensor_parallel", "gpu", "soak"):
+        assert name in names, f"kvwarden bench --help lists {name}"
+    # every listed bench is a module of the package that runs as a program; helpers are not listed
+    for name in names:
+        assert 'if __name__ == "__main__":' in (BENCH / f"{name}.py").read_text(), name
+    assert "stream_client" not in names and "instant" not in names
+    # a bench's own flags and exit status come through
+    own = kvwarden("bench", "offline", "--help")
+    assert own.returncode == 0 and "kvwarden bench offline" in own.stdout and "--engines" in own.stdout, own.stderr
+    missing = kvwarden("bench", "scale")
+    assert missing.returncode == 2 and "--config" in missing.stderr, missing.stderr
+    unknown = kvwarden("bench", "offlin")
+    assert unknown.returncode == 2, unknown.stderr
+    assert "NAME: unknown benchmark 'offlin'" in unknown.stderr and "offline" in unknown.stderr
+
+
+def test_no_bench_patches_the_import_path() -> None:
+    # the benches import each other as modules of the package (one entry point: ``kvwarden bench``)
+    patched = [p.name for p in BENCH.glob("*.py") if "sys.path" in p.read_text()]
+    assert not patched, f"these benches patch sys.path: {patched}"
 
 
 def test_workloads_are_seeded_and_shaped() -> None:
@@ -113,6 +147,6 @@ def test_online_bench_runs_every_workload(server: RunningServer, measure) -> Non
     nano = online(server.url, "--workload", "nano-vllm", "--num-requests", "2", "--max-concurrency", "2")
     assert nano["completed"] == 2 and nano["output_tok_s"] > 0
     measure(
-        "bench/online.py on llama-tiny (2 cores)",
+        "kvwarden bench online on llama-tiny (2 cores)",
         **{w["workload"]: w["output_tok_s"] for w in (docs, shared, chat, nano)},
     )

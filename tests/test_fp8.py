@@ -233,7 +233,7 @@ def test_serve_and_make_model_take_the_flags(tmp_path: Path, llama_tiny: Path) -
 
 
 def test_the_scale_bench_runs_end_to_end(tmp_path: Path) -> None:
-    """``python -m kvwarden.bench.scale`` on a tiny MoE as FP8 (the GPU check runs it at full size): a table,
+    """``kvwarden bench scale`` on a tiny MoE as FP8 (the GPU check runs it at full size): a table,
     a JSON line, invariance (b), (e), (f) bitwise."""
     import subprocess
     import sys

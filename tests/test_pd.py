@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from kvwarden.bench.pd_faults import CampaignConfig, pool_idle, references, run_campaign
+from kvwarden.bench.pd_campaign import CampaignConfig, pool_idle, references, run_campaign
 from kvwarden.probe.client import parse_logprobs
 from server_util import Server, running_guard, running_server
 

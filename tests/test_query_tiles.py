@@ -3,7 +3,7 @@ eager step of the same requests builds.
 
 Whether two tile shapes give a row the same bits is a property of the GPU's compiled kernels: the GPU tests
 (tests/test_triton_engine.py's decode = prefill and graph = eager properties, in bfloat16) and
-``bench/attention_tiles.py --query-tiles`` check it there. Here: the policy, and the tile grids.
+``kvwarden bench attention_tiles --query-tiles`` check it there. Here: the policy, and the tile grids.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ transformers, or is refused at load with a message naming a config field.
 Each ``config.json`` becomes a random checkpoint of its exact shapes, cut to its first two layers (a hybrid
 keeps both layer kinds); kvwarden's real loader reads it. CI runs a light pass - two prompts of eight greedy
 tokens, property (b) on the hidden sizes under 3072, a MoE's experts cut to 64 for memory -; ``python
-bench/sweep.py`` runs the full one (eight prompts of 32 tokens, properties b, e, f) whose table is in
+kvwarden bench sweep`` runs the full one (eight prompts of 32 tokens, properties b, e, f) whose table is in
 docs/models.md, and ``scripts/gpu_check.sh full sweep`` the same on a GPU with every expert.
 """
 

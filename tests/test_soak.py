@@ -1,4 +1,4 @@
-"""A short soak (the full one is ``bench/soak.py`` with 10,000 requests): a real server under concurrent load,
+"""A short soak (the full one is ``kvwarden bench soak`` with 10,000 requests): a real server under concurrent load,
 client disconnects at random moments and malformed bodies; afterwards nothing is leaked and replayed
 requests give the same fingerprints as under load."""
 

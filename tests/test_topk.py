@@ -63,7 +63,7 @@ def test_split_rows_equal_one_program_per_row() -> None:
             assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu()), shape
 
 
-SHAPES = [  # the kernel's shapes (bench/topk.py --variants times them): every one gives the same answer
+SHAPES = [  # the kernel's shapes (kvwarden bench topk --variants times them): every one gives the same answer
     {"radix": 8, "block": 4096, "masked": False, "split": 0},
     {"radix": 11, "block": 1024, "masked": True, "split": 0},
     {"radix": 8, "block": 1024, "masked": False, "split": 2048},

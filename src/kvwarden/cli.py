@@ -17,6 +17,7 @@ from kvwarden.commands.engine_args import HelpFormatter
 
 def build_parser() -> argparse.ArgumentParser:
     from kvwarden.commands import (
+        bench,
         cold_warm,
         demo,
         generate,
@@ -32,10 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvwarden {__version__}")
     # dest "subcommand": a command's own --command flag (probe's launcher template) must not overwrite it
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
-    for module in (demo, cold_warm, generate, make_model, predict, probe, serve, guard, trace_divergence):
+    for module in (demo, cold_warm, generate, make_model, predict, probe, serve, guard, trace_divergence, bench):
         module.register(sub)
     for command in sub.choices.values():
-        command.formatter_class = HelpFormatter
+        if not issubclass(command.formatter_class, HelpFormatter):  # bench's keeps its list's lines
+            command.formatter_class = HelpFormatter
     return parser
 
 

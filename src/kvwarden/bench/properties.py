@@ -20,7 +20,7 @@ caching off - by the IEEE-754 bytes of every (token id, logprob) pair:
     the reference run with speculation off (``reference=``).
 
 Used by the CPU tests, the Triton-backend tests (under the interpreter in CI,
-compiled on a GPU) and ``bench/invariance.py``, which also runs it with
+compiled on a GPU) and ``kvwarden bench invariance``, which also runs it with
 ``numerics="shape-dependent"`` to show what the fast path does.
 """
 

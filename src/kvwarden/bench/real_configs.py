@@ -8,7 +8,7 @@ transformers' own implementation on greedy continuations (tokens and top-20
 logprobs), and run through a few of the invariance properties. A config kvwarden
 cannot serve must be refused at load with a message naming the config field.
 
-Used by ``tests/test_real_configs.py`` (CPU, float32) and ``bench/sweep.py``
+Used by ``tests/test_real_configs.py`` (CPU, float32) and ``kvwarden bench sweep``
 (the table in docs/models.md; ``--device cuda`` in ``scripts/gpu_check.sh``).
 """
 

@@ -2,8 +2,8 @@
 invariance properties (b), (e), (f), for a published ``config.json`` (optionally FP8, optionally its first
 N layers).
 
-    python -m kvwarden.bench.scale --config bench/configs/qwen3-next-80b-a3b.json --fp8 --dtype bfloat16
-    python -m kvwarden.bench.scale --config bench/configs/large/glm-5.json --num-layers 8 --fp8 --dtype bfloat16
+    kvwarden bench scale --config bench/configs/qwen3-next-80b-a3b.json --fp8 --dtype bfloat16
+    kvwarden bench scale --config bench/configs/large/glm-5.json --num-layers 8 --fp8 --dtype bfloat16
 
 Steps, each timed on the same folder (``config.json`` and a tokenizer, no weights):
 
@@ -177,7 +177,8 @@ def online(model: str, args: argparse.Namespace, vocab: int, save: Any) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, type=Path, help="a published config.json")
+    p.add_argument("--config", type=Path, help="a published config.json (required unless --summarize)")
+    p.add_argument("--summarize", type=Path, metavar="FILE", help="print one line of a result file and exit")
     p.add_argument("--num-layers", type=int, help="keep the first N layers (a model too large for the device)")
     p.add_argument("--fp8", nargs="?", const="128,128", metavar="BN,BK", help="as its FP8 checkpoint (blocks)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
@@ -192,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=("offline", "invariance"), help="parts left out")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summary_line(json.loads(args.summarize.read_text())))
+        return 0
+    if args.config is None:
+        p.error("--config: required (a published config.json)")
     fp8 = tuple(int(v) for v in args.fp8.split(",")) if args.fp8 else None
     with tempfile.TemporaryDirectory(prefix="kvwarden-scale-") as tmp:
         cfg = prepare(args.config, Path(tmp), args.num_layers, fp8)  # type: ignore[arg-type]
@@ -214,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     _save(args.out, result)
     print(json.dumps(result))
     return 0 if all(result["invariance"].values()) else 1
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    """Layers, weights load s, offline tok/s, [(concurrency, tok/s, TPOT ms)], b/e/f (T/F): the GPU script's
+    summary cell."""
+    online = [(o["concurrency"], o["output_tok_s"], o["tpot_ms"]) for o in r["online"]]
+    inv = "/".join(str(v)[0] for v in r["invariance"].values()) or "-"
+    return f"{r['config']['layers']} {r['weights_load_s']} {r['offline_tok_s']} {online} {inv}"
 
 
 def _save(out: Path | None, result: dict[str, Any]) -> None:

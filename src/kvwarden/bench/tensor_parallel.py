@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU ranks: tok/s at each rank count, and what the rank-count-invariant exchange costs
 against a plain all-reduce.
 
-    python -m kvwarden.bench.tensor_parallel --model builtin:llama-small --ranks 1 2
+    kvwarden bench tensor_parallel --model builtin:llama-small --ranks 1 2
 
 1. engine: for each ``--ranks`` N, ``LLM(model, tensor_parallel_size=N)``: decode tok/s at each
    ``--batch`` (``--input-len`` prompts, ``--output-len`` tokens each) and the prefill time of one

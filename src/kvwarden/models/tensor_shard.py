@@ -16,7 +16,7 @@ must pick its tiles and split of K by the full weight's shape: GPU ranks are ref
 The price is bandwidth, not arithmetic: per dense layer four all-gathers (the attention output, the
 ``o_proj`` output, the SwiGLU activation, the ``down_proj`` output) where Megatron-style tensor parallelism
 runs two all-reduces of the hidden rows; with an intermediate size of 3-4x the hidden size that is about
-twice the bytes of a ring all-reduce. ``python -m kvwarden.bench.tensor_parallel`` measures both.
+twice the bytes of a ring all-reduce. ``kvwarden bench tensor_parallel`` measures both.
 """
 
 from __future__ import annotations

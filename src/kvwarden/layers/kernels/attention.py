@@ -32,7 +32,7 @@ was chunked:
   (rows past ``block_q * RP`` masked). Here the argument above is not enough: a row's products and
   reductions run in the layout Triton gives the tile, and two layouts may order a row's sums
   differently. They are used together only where the GPU computed every slot of both alike
-  (``bench/attention_tiles.py --query-tiles`` over real checkpoints' head shapes, and the GPU tests'
+  (``kvwarden bench attention_tiles --query-tiles`` over real checkpoints' head shapes, and the GPU tests'
   decode = prefill properties): bfloat16 and float16 on an architecture in ``attention_meta.SPLIT_TILE_ARCHS``.
   Everywhere else (float32's CUDA-core products, the CPU interpreter) one ``BLOCK_Q`` tile on four
   warps serves every step, and the argument above is the whole of it.
@@ -59,7 +59,7 @@ BLOCK_N, BLOCK_N_WIDE = 32, 64
 WIDE_MAX_ELEMENTS = 16 * 4 * 128  # a tile's query rows x padded head size up to which keys come 64 at a time
 # Keys per split: fixed absolute boundaries, combined in order (a multiple of every key tile). NOTE(invariance):
 # like the key tile it moves where states are folded, so it is one constant for every step. The length is a speed
-# choice measured by `bench/attention_tiles.py` (figures in docs/performance.md and CHANGELOG.md): shorter splits
+# choice measured by `kvwarden bench attention_tiles` (figures in docs/performance.md and CHANGELOG.md): shorter splits
 # give a short context more programs, at the price of more folds.
 SPLIT = 512
 # When splits run in parallel (speed only: the bits are the same either way): launches of fewer
@@ -238,7 +238,7 @@ def key_tile(rows: int, block_d: int) -> int:
     """``BLOCK_N`` for a model's head shape (``rows``: a query tile's rows, ``BLOCK_Q`` x the padded GQA group).
 
     64 keys a tile where the tile's rows x head fit, else 32, the tile measured before (H100,
-    ``bench/attention_tiles.py``, 64 against 32 keys): Qwen3-0.6B's 32 x 128 (GQA 2), a decode step of 64
+    ``kvwarden bench attention_tiles``, 64 against 32 keys): Qwen3-0.6B's 32 x 128 (GQA 2), a decode step of 64
     requests over 512 keys 71 against 85 us, a 2,048-token prefill 202 against 281; GQA 3-4 at head 128
     (Llama-3-8B, Qwen3-8B, the Granite preset: 64 x 128, ``--heads 32,8,128``) 75 against 83 us, 300
     against 350 (256 requests over 640 keys) and 236 against 269 (prefill), one request over 16K keys
@@ -281,7 +281,7 @@ def paged_attention(
     launch (few tiles over long contexts: in parallel). Both give the same bits:
     the same split states, folded in the same order by the same function.
     ``tiles``: ``(BLOCK_N, num_warps, num_stages)``, optionally with the split
-    length as a fourth, instead of the module's, for ``bench/attention_tiles.py``
+    length as a fourth, instead of the module's, for ``kvwarden bench attention_tiles``
     only (``BLOCK_N`` and the split move the softmax's rescale and fold points,
     so the engine never passes it: every step must use the same).
     """

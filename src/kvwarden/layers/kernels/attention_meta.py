@@ -30,7 +30,7 @@ class QueryTiles:
 
     NOTE(invariance): a row's bits must not depend on which of the two its step ran, so two different
     tile shapes are used only where :func:`query_tiles` says the GPU computes a row alike in both
-    (``bench/attention_tiles.py --query-tiles`` measures it per head shape, every slot of a tile);
+    (``kvwarden bench attention_tiles --query-tiles`` measures it per head shape, every slot of a tile);
     elsewhere both are ``BLOCK_Q`` on ``WARPS`` warps: one compiled kernel for every step.
     """
 
@@ -62,11 +62,11 @@ class QueryTiles:
 
 UNIFORM_TILES = QueryTiles()  # one BLOCK_Q tile on WARPS warps for every step
 # GPU architectures (compute capabilities) where the split tiles were checked to give every decoded row the bits of
-# its prefill row (`bench/attention_tiles.py --query-tiles` and the GPU tests; the shapes checked are listed in
+# its prefill row (`kvwarden bench attention_tiles --query-tiles` and the GPU tests; the shapes checked are listed in
 # docs/architecture.md): Hopper.
 SPLIT_TILE_ARCHS: frozenset[tuple[int, int]] = frozenset({(9, 0)})
 # Where they are also faster: the (group, head sizes) pairs SPLIT_SHAPES names, each measured against the engine's
-# uniform tile with `bench/attention_tiles.py` (figures in docs/performance.md and CHANGELOG.md); shapes not
+# uniform tile with `kvwarden bench attention_tiles` (figures in docs/performance.md and CHANGELOG.md); shapes not
 # measured keep the uniform tile.
 SPLIT_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 1, 128), (8, 256, 256))  # (group, heads from, up to)
 
@@ -91,7 +91,7 @@ def query_tiles(
     Split tiles only in bfloat16 or float16 on a verified GPU architecture, for the GQA groups and head
     sizes in ``SPLIT_SHAPES``: GQA 2 with heads up to 128, GQA 8 with heads of 256. Whether a one-position
     tile on one warp and a 128-row tile on eight order a row's sums alike is up to the code Triton
-    generates for the architecture, so it is measured (``bench/attention_tiles.py --query-tiles``, every
+    generates for the architecture, so it is measured (``kvwarden bench attention_tiles --query-tiles``, every
     slot of a tile, on real checkpoints' head shapes; the GPU tests' decode = prefill properties), not
     assumed. float32 runs the products on the CUDA cores (``input_precision="ieee"``), another layout, not
     part of that measurement; Triton's CPU interpreter multiplies with NumPy, whose blocking follows the

@@ -241,14 +241,14 @@ def launch(
     blocks: int | None = None,
     glu: bool = False,
 ) -> torch.Tensor:
-    """One GEMM with an explicit configuration (``linear`` chooses it; ``bench/tune_gemm.py`` tries them).
+    """One GEMM with an explicit configuration (``linear`` chooses it; ``kvwarden bench tune_gemm`` tries them).
 
     ``x [M, K]`` and ``weight [N, K]`` give ``[M, N]``; ``x [M, H, K]`` and ``weight [H, N, K]`` give
     ``[M, H, N]``, head ``h``'s columns from its own weight (:func:`linear_heads`); ``glu``: ``weight
     [2N, K]`` (gate rows, then up rows) gives ``silu(gate) * up`` ``[M, N]`` (:func:`linear_swiglu`), its
     tiles half as wide so that a program does the unfused one's work. ``blocks`` overrides
     :func:`split_blocks` of ``cfg``: the engine passes the weight's own split with few-rows tiles
-    (:func:`launch_config`); any other value changes the bits (``bench/gemm_split.py`` times the
+    (:func:`launch_config`); any other value changes the bits (``kvwarden bench gemm_split`` times the
     unsplit kernel with it).
     """
     scale, qbn, qbk = None, 1, 1

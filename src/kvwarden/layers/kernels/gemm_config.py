@@ -21,7 +21,7 @@ from kvwarden.intmath import cdiv
 
 # The split of K (numerics: a function of the weight's shape and tile configuration only). A weight whose
 # K is at least SPLIT_FROM_K gets up to TARGET_PROGRAMS / (its output tiles) splits, each at least
-# MIN_SPLIT_K long (H100, bench/gemm_split.py --sweep: one program per tile walking 2,048-12,288 of K
+# MIN_SPLIT_K long (H100, kvwarden bench gemm_split --sweep: one program per tile walking 2,048-12,288 of K
 # left the GEMV-shaped launch latency-bound; splits of ~512 halved it; shorter ones, or splitting a
 # K of 1,024, gained nothing at one row and cost up to 1.5x at 2,048 rows).
 TARGET_PROGRAMS = 128  # about one wave of an H100's or H200's 132 SMs
@@ -71,12 +71,12 @@ def _device_tables(device_name: str) -> tuple[dict[str, GemmConfig], dict[str, t
 
 
 def tuned_table(device_name: str) -> dict[str, GemmConfig]:
-    """Tile configurations measured for one GPU model (``bench/tune_gemm.py`` writes them)."""
+    """Tile configurations measured for one GPU model (``kvwarden bench tune_gemm`` writes them)."""
     return _device_tables(device_name)[0]
 
 
 def few_rows_table(device_name: str) -> dict[str, tuple[int, int]]:
-    """``(BLOCK_N, stages)`` measured for launches of at most one tile of rows (``bench/gemv.py --write``)."""
+    """``(BLOCK_N, stages)`` measured for launches of at most one tile of rows (``kvwarden bench gemv --write``)."""
     return _device_tables(device_name)[1]
 
 
@@ -127,7 +127,7 @@ def launch_config(m: int, n: int, k: int, dtype: torch.dtype, device_name: str =
     ``BLOCK_M`` and warps (the matrix instruction and how the tile is spread over warps), ``BLOCK_K``
     (the chain of ``tl.dot`` steps) and the split of K (returned from the weight's configuration, not
     recomputed from the narrower tiles). ``BLOCK_N`` only says how many output columns one program
-    owns, columns never interact, and stages only how far ahead loads are issued. ``bench/gemv.py``
+    owns, columns never interact, and stages only how far ahead loads are issued. ``kvwarden bench gemv``
     checks every candidate bitwise against the weight's tiles before it is recorded, and the GPU
     tests check every recorded entry again (``tests/test_gemm_few_rows.py``).
     """

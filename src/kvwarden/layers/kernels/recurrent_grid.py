@@ -56,7 +56,7 @@ gates stay float32, as in transformers' reference scan.
 Why not flash-linear-attention's ``chunk_gated_delta_rule``: its grid starts at
 each call's first token and its decode kernel is a different (token-by-token)
 computation, so a prompt cut differently, or a decode step after a prefill,
-changes the bits (measured in ``bench/fla_compare.py``).
+changes the bits (measured in ``kvwarden bench fla_compare``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ delta rule's scan does.
 
 Precision: float32 operands and accumulation, ``tf32x3`` dots (about float32's
 accuracy) on tensor cores; ``dt`` (softplus, clamp) and the state in float32.
-Not yet timed on a GPU: ``bench/fla_compare.py`` times the gated delta rule's.
+Not yet timed on a GPU: ``kvwarden bench fla_compare`` times the gated delta rule's.
 """
 
 from __future__ import annotations

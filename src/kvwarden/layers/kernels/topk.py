@@ -89,14 +89,14 @@ from kvwarden.layers.kernels.topk_split import split_buckets, split_radix
 from kvwarden.layers.sparse_attention import column_order
 
 # The kernel's shape: a speed choice only (any shape gives the same answer). Chosen by measurement with
-# `python bench/topk.py --device cuda --variants --graphs` (its table is in docs/sparse-attention.md, the history in
+# `kvwarden bench topk --device cuda --variants --graphs` (its table is in docs/sparse-attention.md, the history in
 # CHANGELOG.md): 8-bit digits, one program per row in blocks of 2,048 on 8 warps; a row split over programs of
 # chunks of 2,048 (up to 16K keys) or 4,096 columns for few rows, while the split makes at most SPLIT_PROGRAMS
 # programs (it costs 5 launches: decode replays it from CUDA graphs, where only device time counts); and up to
 # BUCKET_SPLIT_ROWS rows of BUCKET_SPLIT_FROM keys or more the bucket shortcut split over chunks of 16,384.
 BLOCK, WARPS = 2048, 8
 # One program per row over rows of more than LONG_ROW keys: 4 warps (scheduling only: the counts are exact
-# integers, so the answer is the same on any warps; `bench/topk.py --variants --graphs` measures both on the GPU).
+# integers, so the answer is the same on any warps; `kvwarden bench topk --variants --graphs` measures both on the GPU).
 LONG_ROW, LONG_ROW_WARPS = 32768, 4
 RADIX = 8  # bits per radix pass: 8 (four passes of 256 bins) or 11 (three of 2,048)
 MASKED = False  # the histogram's mask argument (Triton >= 3.3) rather than bin 0
@@ -187,7 +187,7 @@ def topk_triton(
     one program per row; None: by the shape, ``split_plan``), ``buckets`` (the bucket shortcut to the
     threshold, in one program per row or split over a row's chunks; None: ``split_plan``'s choice, or with
     an explicit ``split`` ``SPLIT_BUCKETS``): the kernel's shape - any gives the same answer
-    (``bench/topk.py --variants`` times them). Split launches use 8-bit digits: ``radix=11`` runs one
+    (``kvwarden bench topk --variants`` times them). Split launches use 8-bit digits: ``radix=11`` runs one
     program per row, and with a ``split`` is refused."""
     rows, n = _check(scores, k)
     if radix not in (8, 11):

@@ -5,9 +5,9 @@ The workload: one long shared prefix (``--hit`` of the prompt) warmed by a first
 whose prompts continue it with their own suffix (the rest), one at a time; TTFT is the time to the first
 token of each. Every setting must answer bitwise as one rank (checked, printed).
 
-    python bench/context_parallel.py                                  # CPU: llama-small, 32K prompts, 2 ranks
-    python bench/context_parallel.py --model builtin:glm_moe_dsa-small --prompt-len 16384
-    python bench/context_parallel.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b   # 2 GPUs
+    kvwarden bench context_parallel                                  # CPU: llama-small, 32K prompts, 2 ranks
+    kvwarden bench context_parallel --model builtin:glm_moe_dsa-small --prompt-len 16384
+    kvwarden bench context_parallel --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b   # 2 GPUs
 
 The presets stop at 4,096 positions; a copy with ``--max-positions`` (default 40,960) is made once under
 ``~/.cache/kvwarden/bench-models``, the weights seeded as the preset's. Ends with one JSON line.

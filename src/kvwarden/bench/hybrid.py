@@ -13,7 +13,7 @@ On a small hybrid model (default ``builtin:qwen3_next-small``):
 
 Prints tables and ends with one JSON line.
 
-    python bench/hybrid.py [--model builtin:granite_hybrid-small] [--quick]
+    kvwarden bench hybrid [--model builtin:granite_hybrid-small] [--quick]
 """
 
 from __future__ import annotations

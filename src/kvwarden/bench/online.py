@@ -12,8 +12,8 @@ each response's ``usage``. The workloads (``kvwarden.bench.workloads``):
   multi-turn     --conversations chats of --turns text turns; each turn resends the history
 
     kvwarden serve builtin:llama-small --port 8000 &
-    python bench/online.py --url http://127.0.0.1:8000 --num-requests 32 --request-rate 4
-    python bench/online.py --url http://127.0.0.1:8000 --workload shared-prefix --groups 4 --per-group 8
+    kvwarden bench online --url http://127.0.0.1:8000 --num-requests 32 --request-rate 4
+    kvwarden bench online --url http://127.0.0.1:8000 --workload shared-prefix --groups 4 --per-group 8
 
 Prints a table and ends with one JSON line.
 """

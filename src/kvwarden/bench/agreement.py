@@ -26,8 +26,8 @@ less accurate than the reference implementation's.
 
 Prints a table and ends with one JSON line.
 
-    python bench/agreement.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b
-    python bench/agreement.py --device cuda --dtype bfloat16 --truth --model builtin:qwen3_next-0.6b
+    kvwarden bench agreement --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b
+    kvwarden bench agreement --device cuda --dtype bfloat16 --truth --model builtin:qwen3_next-0.6b
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ own engine generates with and without a constraint to show the mask's cost per o
 
 Prints a table and ends with one JSON line.
 
-    python bench/grammar_backends.py                  # both tokenizers (~2 min)
-    python bench/grammar_backends.py --quick          # llama-small only, fewer walks
+    kvwarden bench grammar_backends                  # both tokenizers (~2 min)
+    kvwarden bench grammar_backends --quick          # llama-small only, fewer walks
 """
 
 from __future__ import annotations

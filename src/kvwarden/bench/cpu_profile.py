@@ -11,8 +11,8 @@ tables, model runner, layers, models, sampler, cache). The operator time is
 inside the Python time of the layer that called it, so the two tables answer
 different questions: what the arithmetic costs, and what the host adds.
 
-    python bench/cpu_profile.py                             # llama-small, every engine
-    python bench/cpu_profile.py --model smollm2 --chunk 256 --batch 8
+    kvwarden bench cpu_profile                             # llama-small, every engine
+    kvwarden bench cpu_profile --model smollm2 --chunk 256 --batch 8
 
 Ends with one JSON line.
 """

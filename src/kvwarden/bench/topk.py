@@ -13,9 +13,9 @@ Model rows: prefill tokens/s of one prompt and greedy decode tokens/s at batch 1
 incident's (``unsafe_topk``), beside a dense-attention model (``--dense-model``, default
 ``builtin:qwen3_moe-small``), canonical numerics.
 
-    python bench/topk.py                 # CPU, 4K-64K keys, 1-256 rows
-    python bench/topk.py --quick         # smoke run
-    python bench/topk.py --device cuda --dsa-model builtin:glm_moe_dsa-0.6b \
+    kvwarden bench topk                 # CPU, 4K-64K keys, 1-256 rows
+    kvwarden bench topk --quick         # smoke run
+    kvwarden bench topk --device cuda --dsa-model builtin:glm_moe_dsa-0.6b \
         --dense-model builtin:qwen3-0.6b --prompt-len 4096     # GPU figures at GLM-5's top-k of 2,048
 
 Ends with one JSON line.

@@ -10,8 +10,8 @@
 2. A multi-turn workload: conversations whose histories add up to 4x the
    device pool, served turn by turn round-robin, host tier off and on.
 
-    python bench/host_tier.py                                   # CPU: llama-small, 1K-4K prefixes
-    python bench/host_tier.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b --prefixes 4096,16384,32768
+    kvwarden bench host_tier                                   # CPU: llama-small, 1K-4K prefixes
+    kvwarden bench host_tier --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b --prefixes 4096,16384,32768
 
 Ends with one JSON line.
 """

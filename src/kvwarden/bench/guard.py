@@ -13,8 +13,8 @@
    server's (the probe's fingerprint). Errors the guard returns after its
    retries are counted apart: they are refused, not delivered.
 
-    python bench/guard.py                     # both parts (a few minutes on 2 cores)
-    python bench/guard.py --quick             # smoke run
+    kvwarden bench guard                     # both parts (a few minutes on 2 cores)
+    kvwarden bench guard --quick             # smoke run
 
 Ends with one JSON line.
 """

@@ -11,9 +11,9 @@ rows of a 2,048-row launch: a variant that differs is reported and never counts 
 that change ``BLOCK_M`` or warps are timed and checked too, marked ``other``: the argument for their
 bits is weaker (another instruction shape), the check is the same. Ends with one JSON line.
 
-    python bench/gemv.py                           # on a GPU
-    python bench/gemv.py --shape 1024x3072 --rows 1,16
-    python bench/gemv.py --write /tmp/gemm_tuned.json   # record few-rows tiles (KVWARDEN_GEMM_TABLE reads it)
+    kvwarden bench gemv                           # on a GPU
+    kvwarden bench gemv --shape 1024x3072 --rows 1,16
+    kvwarden bench gemv --write /tmp/gemm_tuned.json   # record few-rows tiles (KVWARDEN_GEMM_TABLE reads it)
 
 ``--write`` records, per weight shape of this GPU's table and of the list below, the narrower tiles with
 the smallest summed time over the row counts, where they keep the bits at every row count and in both
@@ -170,7 +170,7 @@ def main() -> None:
     p.add_argument("--min-gain", type=float, default=0.05, help="--write: the least saving worth an entry")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/gemv.py times compiled kernels: it needs a CUDA GPU")
+        raise SystemExit("kvwarden bench gemv times compiled kernels: it needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
     device = torch.cuda.get_device_name()

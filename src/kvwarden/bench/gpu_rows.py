@@ -1,4 +1,4 @@
-"""The measurements behind ``bench/gpu.py``, each run by it in a fresh process (``--part``).
+"""The measurements behind ``kvwarden bench gpu``, each run by it in a fresh process (``--part``).
 
 Offline throughput on nano-vllm's shape, decode tok/s per batch, time to first
 token cold and warm, MTP speculation on/off and a kernel profile; plus the
@@ -13,7 +13,6 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,7 @@ from typing import Any
 import torch
 
 from kvwarden.bench import workloads
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline import run_kvwarden, run_transformers
+from kvwarden.bench.offline import run_kvwarden, run_transformers
 
 # canonical-chunked: the canonical backend with gated DeltaNet on the chunk grid (numerics.recurrent_scan) instead of
 # token by token

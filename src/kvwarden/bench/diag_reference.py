@@ -4,7 +4,7 @@ Scores one prompt (float32 log-softmax at every position) with transformers on t
 with kvwarden on the CPU, on the device, and on the device with sparse MoE routed on the host; prints the
 largest |Δ| of every pair and ends with one JSON line.
 
-    python bench/diag_reference.py --model builtin:granite_hybrid_moe-small
+    kvwarden bench diag_reference --model builtin:granite_hybrid_moe-small
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ steady decode steps of one engine (every request past its prompt):
 
 GPU idle = wall - kernels is the part an overlapped scheduler could hide.
 
-    python bench/host_profile.py                                    # on a GPU: qwen3-0.6b, batch 1 and 64
-    python bench/host_profile.py --model builtin:qwen3_next-0.6b --batch 64
-    python bench/host_profile.py --device cpu --dtype float32 --model builtin:llama-tiny --batch 4 --steps 8
+    kvwarden bench host_profile                                    # on a GPU: qwen3-0.6b, batch 1 and 64
+    kvwarden bench host_profile --model builtin:qwen3_next-0.6b --batch 64
+    kvwarden bench host_profile --device cpu --dtype float32 --model builtin:llama-tiny --batch 4 --steps 8
 
 Ends with one JSON line.
 """
@@ -28,13 +28,11 @@ import io
 import json
 import pstats
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_rows import block_size_for, sync, vocab_of
+from kvwarden.bench.gpu_rows import block_size_for, sync, vocab_of
 
 
 def steady_engine(args: argparse.Namespace, batch: int) -> Any:

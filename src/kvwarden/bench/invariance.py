@@ -9,9 +9,9 @@ from B's cold run: the seeds' failure measured on the device's own kernels.
 
 Prints a table and ends with one JSON line.
 
-    python bench/invariance.py --device cuda --dtype bfloat16 \\
+    kvwarden bench invariance --device cuda --dtype bfloat16 \\
         --model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b --model builtin:granite_hybrid-small
-    python bench/invariance.py --quick          # tiny models on this machine
+    kvwarden bench invariance --quick          # tiny models on this machine
 """
 
 from __future__ import annotations

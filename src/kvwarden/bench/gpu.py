@@ -20,13 +20,13 @@ Rows (kvwarden canonical = invariant Triton kernels; fast path = cuBLAS + SDPA):
    (kvwarden's engines), 2 and 3, and each one's ratio to the dense model per row;
 6. ``--spec-model``: speculative decoding with the model's MTP head (k = 2)
    against speculation off, batch 1 and 16: tok/s, accept length, equal output;
-7. ``--online``: ``kvwarden serve`` under ``bench/online.py``'s client at
+7. ``--online``: ``kvwarden serve`` under ``kvwarden bench online``'s client at
    concurrency 1, 16 and 64 (TTFT, TPOT, tok/s), canonical beside the fast path;
 8. ``--shared-prefix``: offline, groups of requests over a few long system
-   prompts against the same lengths unshared (``bench/gpu_serving.py``).
+   prompts against the same lengths unshared (``kvwarden bench gpu_serving``).
 
-    python bench/gpu.py                                  # on a GPU: qwen3-0.6b, qwen3_next-0.6b, granite_hybrid-0.6b
-    python bench/gpu.py --device cpu --dtype float32 --model builtin:llama-tiny --hybrid builtin:qwen3_next-tiny --quick
+    kvwarden bench gpu                                  # on a GPU: qwen3-0.6b, qwen3_next-0.6b, granite_hybrid-0.6b
+    kvwarden bench gpu --device cpu --dtype float32 --model builtin:llama-tiny --hybrid builtin:qwen3_next-tiny --quick
 
 A run that must fit a time limit takes ``--deadline-s`` (a part that would start
 later is skipped and listed under ``skipped``) and ``--save PATH`` (the result so
@@ -44,9 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_rows import NUMERICS, copy_bandwidth, floor_seconds, model_bytes, run_part, vocab_of, workload
-from gpu_serving import print_rows, run_serving_part
+from kvwarden.bench.gpu_rows import NUMERICS, copy_bandwidth, floor_seconds, model_bytes, run_part, vocab_of, workload
+from kvwarden.bench.gpu_serving import print_rows, run_serving_part
 
 
 class Parts:
@@ -71,7 +70,7 @@ class Parts:
             self.console.print(f"[gpu bench] {name} {engine} {model}: skipped (past --deadline-s {args.deadline_s})")
             self.result["skipped"].append(f"{name} {engine} {model}")
             return None
-        cmd = [sys.executable, __file__, "--part", name, "--model", model, "--engine", engine]
+        cmd = [sys.executable, "-m", "kvwarden.bench.gpu", "--part", name, "--model", model, "--engine", engine]
         cmd += ["--device", args.device, "--dtype", args.dtype, "--num-requests", str(args.num_requests)]
         cmd += [
             "--batches",

@@ -13,9 +13,9 @@ the medians. kvwarden gets vLLM-CPU's step budget (2,048 tokens) unless
 ``--kvwarden-args`` says otherwise. The targets: kvwarden canonical >= 0.9x vLLM's output throughput
 and its mean TPOT <= 1.1x vLLM's.
 
-    python bench/vs_vllm.py                                  # llama-small, 32 x (256 in, 64 out), concurrency 8
-    python bench/vs_vllm.py --rounds 3                       # each server three times, medians judged
-    python bench/vs_vllm.py --model smollm2 --num-prompts 16 --numerics all
+    kvwarden bench vs_vllm                                  # llama-small, 32 x (256 in, 64 out), concurrency 8
+    kvwarden bench vs_vllm --rounds 3                       # each server three times, medians judged
+    kvwarden bench vs_vllm --model smollm2 --num-prompts 16 --numerics all
 
 Prints a table and ends with one JSON line.
 """

@@ -16,8 +16,8 @@ layer of a model's shape (default: Qwen3-Next-80B's 16 key / 32 value heads of
   kernel, vLLM's pairing); (3) a request beside a partner (varlen) vs alone;
 * error against a float64 token-by-token reference.
 
-    python bench/fla_compare.py                   # needs a GPU and fla-core (scripts/gpu_check.sh carries it)
-    TRITON_INTERPRET=1 python bench/fla_compare.py --preset tiny   # a CPU smoke run: no speed rows, no fla
+    kvwarden bench fla_compare                   # needs a GPU and fla-core (scripts/gpu_check.sh carries it)
+    TRITON_INTERPRET=1 kvwarden bench fla_compare --preset tiny   # a CPU smoke run: no speed rows, no fla
 
 Ends with one JSON line.
 """

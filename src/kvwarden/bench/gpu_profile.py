@@ -6,10 +6,10 @@ two ceilings: the bytes it must move over the copy bandwidth measured in this
 run, and its FLOPs over the GPU's dense bf16 matrix rate. The decode step is
 also timed as a CUDA-graph replay (CUDA events), which is what serving runs.
 
-    python bench/gpu_profile.py                      # on a GPU: qwen3-0.6b
-    python bench/gpu_profile.py --model builtin:qwen3_next-0.6b    # the hybrid (256-token blocks)
-    python bench/gpu_profile.py --device cpu --dtype float32 --model builtin:llama-tiny --chunk 256 --batch 4
-    python bench/gpu_profile.py --model builtin:glm_moe_dsa-0.6b --batch 1 --context 4096   # sparse attention
+    kvwarden bench gpu_profile                      # on a GPU: qwen3-0.6b
+    kvwarden bench gpu_profile --model builtin:qwen3_next-0.6b    # the hybrid (256-token blocks)
+    kvwarden bench gpu_profile --device cpu --dtype float32 --model builtin:llama-tiny --chunk 256 --batch 4
+    kvwarden bench gpu_profile --model builtin:glm_moe_dsa-0.6b --batch 1 --context 4096   # sparse attention
 
 Ends with one JSON line.
 """
@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_rows import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
+from kvwarden.bench.gpu_rows import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core rate (the data sheet's figure without sparsity)
 GROUPS = (

@@ -8,7 +8,7 @@ sampling and verification, the proposer (the MTP head's fill over the step's
 rows, then its draft rounds). Prints ms per step for each phase and ends with
 one JSON line.
 
-    python bench/spec_profile.py --device cuda --dtype bfloat16 --model builtin:qwen3_next-small
+    kvwarden bench spec_profile --device cuda --dtype bfloat16 --model builtin:qwen3_next-small
 """
 
 from __future__ import annotations

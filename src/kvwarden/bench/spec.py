@@ -8,8 +8,8 @@ with speculation off (``match`` acceptance must give identical output); the
 table shows mean tokens per verify step (accept length), accepted / drafted
 (accept rate) and output tokens per second.
 
-    python bench/spec.py --model DENSE --model HYBRID --draft DRAFT    # full
-    python bench/spec.py --quick                                        # smoke run (built-in tiny models)
+    kvwarden bench spec --model DENSE --model HYBRID --draft DRAFT    # full
+    kvwarden bench spec --quick                                        # smoke run (built-in tiny models)
 
 Ends with one JSON line.
 """

@@ -8,8 +8,8 @@ the copy bandwidth measured in this run. It checks bitwise, for every shape, tha
 whatever the row count and the form (chosen = walked at every M; row 0 of the largest M = the 1-row
 launch). Ends with one JSON line.
 
-    python bench/gemm_split.py                         # on a GPU
-    python bench/gemm_split.py --rows 1,64 --shape 1024x3072
+    kvwarden bench gemm_split                         # on a GPU
+    kvwarden bench gemm_split --rows 1,64 --shape 1024x3072
 """
 
 from __future__ import annotations

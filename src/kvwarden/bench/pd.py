@@ -15,9 +15,9 @@ is the time disaggregation adds per request (the extra HTTP hop and the KV copy)
 Both runs' texts are compared request by request (same prompt, greedy: they should match); the result
 is recorded as ``identical_text``, not asserted.
 
-    python bench/pd.py                     # CPU, builtin:llama-small, about 2 minutes on 2 cores
-    python bench/pd.py --quick             # smoke run, about 30 s
-    python bench/pd.py --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b \\
+    kvwarden bench pd                     # CPU, builtin:llama-small, about 2 minutes on 2 cores
+    kvwarden bench pd --quick             # smoke run, about 30 s
+    kvwarden bench pd --device cuda --dtype bfloat16 --model builtin:qwen3-0.6b \\
         --long-prompt 4096,8192 --short-prompt 64,128 --long-output 512 --num-requests 64 --concurrency 16
 
 On a machine of 2 CPU cores the three servers share those cores: the figures show the overhead of

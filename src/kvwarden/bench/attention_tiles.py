@@ -23,23 +23,20 @@ prefill's rows in ``PREFILL``-position tiles (bitwise; how many do), whether tha
 ``--prefill-warps N`` runs the ``PREFILL``-tile prefill launches with ``N`` warps (default: the
 candidate's), for large tiles (64 positions x GQA 2 = 128 rows x head 128).
 
-    python bench/attention_tiles.py
-    python bench/attention_tiles.py --heads 32,8,128 --candidate 32,4,2 --candidate 64,4,2   # Llama-3-8B's GQA 4
-    python bench/attention_tiles.py --candidate 64,4,2,1024 --candidate 64,4,2,256           # split lengths
-    python bench/attention_tiles.py --query-tiles 1,64 --candidate 64,4,2 --candidate 64,1,2 --prefill-warps 8
+    kvwarden bench attention_tiles
+    kvwarden bench attention_tiles --heads 32,8,128 --candidate 32,4,2 --candidate 64,4,2   # Llama-3-8B's GQA 4
+    kvwarden bench attention_tiles --candidate 64,4,2,1024 --candidate 64,4,2,256           # split lengths
+    kvwarden bench attention_tiles --query-tiles 1,64 --candidate 64,4,2 --candidate 64,1,2 --prefill-warps 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_rows import copy_bandwidth
+from kvwarden.bench.gpu_rows import copy_bandwidth
 
 CANDIDATES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3)]
 BLOCK = 16
@@ -95,7 +92,7 @@ def main() -> None:
     if args.prefill_warps is not None and qt is None:
         p.error("--prefill-warps applies to --query-tiles' prefill launches: give --query-tiles too")
     if not torch.cuda.is_available():
-        raise SystemExit("bench/attention_tiles.py times compiled kernels: it needs a CUDA GPU")
+        raise SystemExit("kvwarden bench attention_tiles times compiled kernels: it needs a CUDA GPU")
     heads = tuple(int(x) for x in args.heads.split(","))
     from kvwarden.layers.kernels.attention import AttentionMeta, paged_attention
 

@@ -8,8 +8,8 @@ each row count is written to ``src/kvwarden/layers/kernels/gemm_tuned.json``
 under the GPU's name. Every candidate is also checked row-invariant on the spot
 (a row computed alone equals the same row inside a larger launch).
 
-    python bench/tune_gemm.py --model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b
-    python bench/tune_gemm.py --out /tmp/gemm_tuned.json   # write elsewhere (KVWARDEN_GEMM_TABLE reads it)
+    kvwarden bench tune_gemm --model builtin:qwen3-0.6b --model builtin:qwen3_next-0.6b
+    kvwarden bench tune_gemm --out /tmp/gemm_tuned.json   # write elsewhere (KVWARDEN_GEMM_TABLE reads it)
 
 Tuning changes speed only; the configuration of a weight is still one fixed
 function of its shape. Ends with one JSON line.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-TABLE = Path(__file__).resolve().parents[1] / "src/kvwarden/layers/kernels/gemm_tuned.json"
+TABLE = Path(__file__).resolve().parents[1] / "layers/kernels/gemm_tuned.json"
 ROWS = (1, 16, 64, 256, 1024, 4096)
 HEAD_ROWS = (1, 16, 64, 256)  # the LM head only sees sampled rows
 

@@ -14,8 +14,8 @@ path (>= 0.75x).
 
 Prints a table and the targets, and ends with one JSON line.
 
-    python bench/offline.py                       # full run (both models, ~30 min)
-    python bench/offline.py --quick               # smoke run (seconds)
+    kvwarden bench offline                       # full run (both models, ~30 min)
+    kvwarden bench offline --quick               # smoke run (seconds)
 """
 
 from __future__ import annotations

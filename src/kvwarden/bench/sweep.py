@@ -6,9 +6,9 @@ transformers on greedy continuations (tokens and top-20 logprobs) and keeps a
 few invariance properties bitwise - or refuses it at load, naming the field.
 Prints the table of docs/models.md and ends with one JSON line.
 
-    python bench/sweep.py                                   # CPU, float32 (the CI test runs the same checks)
-    python bench/sweep.py --device cuda --dtype bfloat16 --tol 0.25   # on a GPU (scripts/gpu_check.sh sweep)
-    python bench/sweep.py --only qwen3-14b --only mistral-7b-v0.1
+    kvwarden bench sweep                                   # CPU, float32 (the CI test runs the same checks)
+    kvwarden bench sweep --device cuda --dtype bfloat16 --tol 0.25   # on a GPU (scripts/gpu_check.sh sweep)
+    kvwarden bench sweep --only qwen3-14b --only mistral-7b-v0.1
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--configs", type=Path, default=Path("bench/configs"), help="folder of config.json files")
     p.add_argument(
         "--dtype",
         action="append",
@@ -55,11 +54,11 @@ def main() -> int:
     from kvwarden.bench.real_configs import sweep_config_dtypes
 
     torch.set_num_threads(torch.get_num_threads())
-    names = args.only or sorted(f.stem for f in CONFIGS.glob("*.json"))
+    names = args.only or sorted(f.stem for f in args.configs.glob("*.json"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            config = json.loads((CONFIGS / f"{name}.json").read_text())
+            config = json.loads((args.configs / f"{name}.json").read_text())
             large = int(config.get("hidden_size", 0)) >= 3072
             got = sweep_config_dtypes(
                 name, config, Path(tmp), dtypes=dtypes, layers=args.layers,

@@ -17,7 +17,7 @@ the server's resident memory at start and end, and replayed requests whose
 fingerprint differs from their run under load (must be 0). Exit status 1 if
 any must-be-zero figure is not.
 
-    python bench/soak.py --model builtin:qwen3_next-tiny --requests 10000 --concurrency 32
+    kvwarden bench soak --model builtin:qwen3_next-tiny --requests 10000 --concurrency 32
 
 Prints a table and ends with one JSON line.
 """

@@ -1,7 +1,7 @@
-"""bench/gpu.py's serving rows: ``kvwarden serve`` under load, and a workload whose prompts share prefixes.
+"""kvwarden bench gpu's serving rows: ``kvwarden serve`` under load, and a workload whose prompts share prefixes.
 
 * online (``--online``): one real ``kvwarden serve`` per engine (canonical, fast path) on loopback,
-  driven by ``bench/online.py``'s client at concurrency 1, 16 and 64 on nano-vllm's workload shape
+  driven by ``kvwarden bench online``'s client at concurrency 1, 16 and 64 on nano-vllm's workload shape
   (random ids, inputs and outputs uniform in [100, 1024]; ``2 x concurrency`` requests, at least 8):
   TTFT, TPOT (per request: the seconds after its first token over the tokens after it) and output tok/s;
 * shared prefixes (``--shared-prefix``): offline ``generate`` over groups of requests sharing a long
@@ -9,7 +9,7 @@
   tok/s and the share of prompt tokens served from the cache. Prefix caching should make the shared
   workload the faster one.
 
-Each part runs in its own process (``bench/gpu.py`` starts it), so a server or an engine dies with it.
+Each part runs in its own process (``kvwarden bench gpu`` starts it), so a server or an engine dies with it.
 """
 
 from __future__ import annotations
@@ -18,21 +18,19 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_rows import NUMERICS, block_size_for, llm, vocab_of
 from kvwarden.bench import workloads
+from kvwarden.bench.gpu_rows import NUMERICS, block_size_for, llm, vocab_of
 
 CONCURRENCY = (1, 16, 64)
 
 
 def online_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One server of ``args.engine``'s numerics; the client at each concurrency in turn."""
-    import online  # bench/online.py: the client every online figure in the repository comes from
+    import online  # kvwarden bench online: the client every online figure in the repository comes from
+
     from kvwarden.bench.launch import kvwarden_servers
     from kvwarden.probe.launchers import ServerSettings
 
