@@ -7,17 +7,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 
 
 def test_short_soak_leaks_nothing_and_changes_no_answer() -> None:
     args = ["--model", "builtin:qwen3_next-tiny", "--requests", "160", "--concurrency", "16", "--replays", "20"]
     done = subprocess.run(
-        [sys.executable, str(BENCH), *args, "--max-seconds", "300"], capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "kvwarden", "bench", "soak", *args, "--max-seconds", "300"],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(lines[-1])
     assert done.returncode == 0 and result["ok"], done.stdout[-3000:] + done.stderr[-3000:]
     assert result["5xx"] == 0 and result["replays_differing"] == 0 and result["replayed"] == 20
     assert result["leaked_kv_blocks"] == 0 and result["leaked_state_slots"] == 0

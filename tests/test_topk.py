@@ -296,7 +296,7 @@ def test_the_bench_prints_its_table_and_a_json_line_and_refuses_graphs_off_the_g
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, str(root / "bench" / "topk.py"), "--device", "cpu", "--quick", "--no-models"]
+    cmd = [sys.executable, "-m", "kvwarden", "bench", "topk", "--device", "cpu", "--quick", "--no-models"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     last = json.loads(done.stdout.strip().splitlines()[-1])
