@@ -119,7 +119,7 @@ FAST_MODULES = frozenset(
         "test_block_pool", "test_scheduler", "test_predict", "test_detokenizer", "test_numerics",
         "test_sampling", "test_guard_parts", "test_bench_toolkit", "test_readme", "test_api_fixes",
         "test_tools", "test_cpu_kernels", "test_dsa", "test_dsa_kernels", "test_kernels", "test_fp8",
-        "test_tensor_parallel", "test_make_model", "test_bad_input",
+        "test_tensor_parallel", "test_make_model", "test_bad_input", "test_bench_results",
     }
 )  # fmt: skip
 

@@ -93,6 +93,30 @@ def load_reference(path: Path, dtype: Any) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: agreement per model, then --truth's errors."""
+    models = figures["models"]
+    agree = {
+        _short(m): (s["all_tokens_equal"], s["prompts"], round(s["median_max_abs_dlogprob_likely"], 4))
+        for m, s in models.items()
+    }
+    out = [(f"{figures.get('dtype', '')} (equal, prompts, median |Δ| likely)".strip(), str(agree))]
+    truth = {_short(m): _rounded(s["truth"]) for m, s in models.items() if s.get("truth")}
+    if truth:
+        out.append(("truth: first-token |Δ| against float32", str(truth)))
+    return out
+
+
+def _short(model: str) -> str:
+    """``builtin:qwen3-0.6b (canonical)`` -> ``qwen3-0.6b``; another numerics mode keeps its name."""
+    name = model.split(":")[-1]
+    return name.split(" ")[0] if name.endswith(" (canonical)") else name
+
+
+def _rounded(truth: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in truth.items()}
+
+
 def main() -> int:
     args = parse()
     import torch

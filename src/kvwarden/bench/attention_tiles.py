@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
-from kvwarden.bench.gpu_rows import copy_bandwidth
+from kvwarden.bench.floor import copy_bandwidth
 
 CANDIDATES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3)]
 BLOCK = 16
@@ -67,6 +68,40 @@ def time_us(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object, can
     from kvwarden.layers.kernels.attention import paged_attention
 
     return do_bench(lambda: paged_attention(q, k, v, meta, BLOCK, q.shape[-1] ** -0.5, tiles=cand), rep=40) * 1e3
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: tiles per candidate, then --query-tiles'."""
+    rows = figures["rows"]
+    tiles = [(tuple(r["tiles"]), r["decode_equals_prefill"], _us(r), round(r["prefill_us"])) for r in rows]
+    out = [("(tiles, decode=prefill, us, prefill us)", str(tiles))]
+    qrows = [r for r in rows if "positions" in r.get("query_tiles", {})]
+    if qrows:
+        heads = ",".join(str(h) for h in figures.get("heads", ()))
+        dec, pre = figures.get("query_tiles") or ("?", "?")
+        label = f"query tiles {heads} {figures.get('dtype', '')} {dec},{pre}: "
+        label += "(tiles, dec=pre rows, pre=16-tile pre, dec us, pre us)"
+        out.append((label, str([_qtiles(r) for r in qrows])))
+    return out
+
+
+def _qtiles(r: dict[str, Any]) -> tuple:
+    """One candidate's --query-tiles figures, then its 16-position tile's times beside them."""
+    q = r["query_tiles"]
+    rows_equal = f"{q['positions'] - q['decode_rows_differ']}/{q['positions']}"
+    return (
+        r["tiles"][0],
+        rows_equal,
+        q["prefill_equals_default"],
+        _us(q),
+        round(q["prefill_us"]),
+        _us(r),
+        round(r["prefill_us"]),
+    )
+
+
+def _us(r: dict[str, Any]) -> list[int]:
+    return [round(v) for v in r["us"].values()]
 
 
 def main() -> None:

@@ -242,6 +242,13 @@ def speed(hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, fla: bool) -
     return rows
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: bitwise checks per kernel."""
+    return [
+        ("bitwise (two calls, decode, partner)", str({k: list(v.values()) for k, v in figures["invariance"].items()}))
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(SHAPES), default="qwen3-next-80b")

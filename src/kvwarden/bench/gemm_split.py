@@ -91,6 +91,16 @@ def sweep(shapes: list, rows: list[int], dtype: torch.dtype, device: str, counte
     return out
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: bitwise; b1 chosen vs unsplit (0.6b)."""
+    ratios = [
+        (r["name"].split()[-1], round(r["unsplit_us"] / r["chosen_us"], 2))
+        for r in figures["rows"]
+        if r["rows"] == 1 and r["name"].startswith("qwen3-0.6b")
+    ]
+    return [("bitwise; b1 chosen vs unsplit (0.6b)", f"{figures['bitwise']} {ratios}")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default=",".join(map(str, ROWS)))

@@ -29,6 +29,7 @@ import json
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,6 +160,12 @@ def write_table(path: Path, device: str, dtype: torch.dtype, shapes: list[dict],
             few[key] = got
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return len(few)
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: b1 base -> best same-bits us."""
+    b1 = [(r["name"], round(r["base_us"], 1), round(r["best_us"], 1)) for r in figures["best"] if r["rows"] == 1]
+    return [("b1 base -> best same-bits us", str(b1))]
 
 
 def main() -> None:

@@ -44,8 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvwarden.bench.gpu_rows import NUMERICS, copy_bandwidth, floor_seconds, model_bytes, run_part, vocab_of, workload
+from kvwarden.bench.floor import copy_bandwidth, floor_seconds, model_bytes, vocab_of, workload
+from kvwarden.bench.gpu_rows import NUMERICS, run_part
 from kvwarden.bench.gpu_serving import print_rows, run_serving_part
+from kvwarden.bench.gpu_summary import summarize  # noqa: F401 (read by kvwarden bench --summarize)
 
 
 class Parts:

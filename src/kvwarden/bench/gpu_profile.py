@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvwarden.bench.gpu_rows import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
+from kvwarden.bench.floor import block_size_for, copy_bandwidth, model_bytes, sync, vocab_of
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core rate (the data sheet's figure without sparsity)
 GROUPS = (
@@ -88,6 +88,13 @@ def ceilings(phase: dict[str, Any], params: int, head: int, kv_per_token: int, b
         "GEMM": (gemm_bytes / bw, gemm_flops / PEAK_BF16_FLOPS),
         "attention": (attn_bytes / bw, attn_flops / PEAK_BF16_FLOPS),
     }
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: the decode step's ms, eager and graph."""
+    modes = [m for m in ("eager", "graph") if f"decode_step_s_{m}" in figures]
+    ms = " ".join(str(round(figures[f"decode_step_s_{m}"] * 1e3, 2)) for m in modes)
+    return [(f"decode step ms ({', '.join(modes)})", ms)] if modes else []
 
 
 def main() -> None:

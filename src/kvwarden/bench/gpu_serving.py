@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from kvwarden.bench import workloads
-from kvwarden.bench.gpu_rows import NUMERICS, block_size_for, llm, vocab_of
+from kvwarden.bench.floor import block_size_for, vocab_of
+from kvwarden.bench.gpu_rows import NUMERICS, llm
 
 CONCURRENCY = (1, 16, 64)
 

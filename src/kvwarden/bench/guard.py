@@ -221,6 +221,20 @@ def bad_outputs(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     }
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per headline figure: added latency, sustained rates, bad outputs under faults."""
+    over, faults = figures["overhead"], figures.get("faults")
+    added = {k: (round(over[k]["added_p50_ms"], 2), round(over[k]["added_p99_ms"], 2)) for k in ("json", "stream")}
+    out = [
+        ("added latency ms (p50, p99)", str(added)),
+        ("sustained req/s (direct, guard)", f"{round(over['direct_rps'])} {round(over['guard_rps'])}"),
+    ]
+    if faults:
+        shares = [round(faults[k], 4) for k in ("bad_without_guard", "bad_with_guard", "refused_by_guard")]
+        out.append(("bad outputs (direct, guarded, refused)", str(shares)))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: few requests, short timings")

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvwarden.bench.gpu_rows import block_size_for, sync, vocab_of
+from kvwarden.bench.floor import block_size_for, sync, vocab_of
 
 
 def steady_engine(args: argparse.Namespace, batch: int) -> Any:
@@ -136,6 +136,12 @@ def render(rows: list[dict[str, Any]]) -> str:
                 t = x["tottime_s" if key == "by_tottime" else "cumtime_s"]
                 lines.append(f"| {x['function']} | {x['calls']} | {t:.4f} | {t / max(total, 1e-12):.0%} |")
     return "\n".join(lines)
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: step and kernel ms per batch."""
+    rows = [(r["batch"], round(r["step_s"] * 1e3, 2), round(r["gpu_busy_s"] * 1e3, 2)) for r in figures["rows"]]
+    return [(f"{'serial' if figures.get('serial') else 'async'}: (batch, step ms, kernels ms)", str(rows))]
 
 
 def main() -> None:

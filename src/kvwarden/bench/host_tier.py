@@ -144,6 +144,19 @@ def multi_turn(args: argparse.Namespace, host_tier: bool) -> dict[str, Any]:
     }
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: TTFT by tier, multi-turn turns/s."""
+    out = []
+    if figures.get("ttft"):
+        tiers = ("recompute_s", "device_s", "host_s")
+        ttft = {r["prefix"]: tuple(round(r[k], 3) for k in tiers) for r in figures["ttft"]}
+        out.append(("TTFT s (prefix: recompute/device/host)", str(ttft)))
+    if figures.get("multi_turn"):
+        turns = [round(r["turns_per_s"], 2) for r in figures["multi_turn"]]
+        out.append(("multi-turn turns/s (off, on)", str(turns)))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:llama-small")

@@ -21,6 +21,7 @@ import json
 import random
 import time
 from functools import partial
+from typing import Any
 
 from kvwarden.bench.properties import PROPERTIES, check_properties, compare
 
@@ -64,6 +65,14 @@ def fast_path_differing(make, prompt, params, partners, block_size: int, repeats
         outs = make().generate([*group, prompt], [*others, params])
         batched += not compare(ref, outs[-1]).identical
     return {"contamination": f"{contaminated}/{repeats}", "batch": f"{batched}/{repeats}"}
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: canonical all identical, fast path runs."""
+    out = [("canonical all identical", str(figures["canonical_all_identical"]))]
+    if figures.get("fast_path_differing"):
+        out.append(("fast path runs differing", str(figures["fast_path_differing"])))
+    return out
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -192,6 +193,16 @@ def print_table(results: list[Result], device: str) -> None:
             f"{r.total_tok_s:.1f}",
         )
     Console(file=sys.stderr, width=160).print(table)
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: output tok/s by engine, per model."""
+    by_model: dict[str, dict[str, float]] = {}
+    for r in figures["results"]:
+        by_model.setdefault(r["model"], {})[r["engine"]] = r["output_tok_s"]
+    if len(by_model) == 1:
+        return [("throughput (output tok/s)", str(next(iter(by_model.values()))))]
+    return [(f"throughput {m.split(':')[-1]} (output tok/s)", str(tok_s)) for m, tok_s in by_model.items()]
 
 
 def main() -> None:

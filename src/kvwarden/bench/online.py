@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 import httpx
 
@@ -114,6 +115,21 @@ def parse() -> argparse.Namespace:
             p.error(f"{flags}: need 0 < min <= max")
     args.url = args.url.rstrip("/")
     return args
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per headline figure: requests, throughput, latencies, cached prompt tokens."""
+    out = [
+        ("completed of requests", f"{figures['completed']} of {figures['requests']}"),
+        ("output tok/s, requests/s", f"{figures['output_tok_s']} {figures['request_throughput']}"),
+    ]
+    for key in ("ttft", "itl", "e2e"):
+        lat = figures.get(key) or {}  # empty when no request completed
+        out.append(
+            (f"{key.upper()} ms (mean, p50, p99)", str(tuple(lat.get(k) for k in ("mean_ms", "p50_ms", "p99_ms"))))
+        )
+    out.append(("cached of prompt tokens", f"{figures['cached_tokens']} of {figures['prompt_tokens']}"))
+    return out
 
 
 def main() -> None:

@@ -278,6 +278,18 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: text and transfers; the alone phase."""
+    d, alone = figures["disaggregated"], figures["alone"]
+    return [
+        (
+            "identical text, transfers done/failed",
+            f"{figures['identical_text']} {d['transfers']} {d['transfers_failed']}",
+        ),
+        ("alone overhead ms p50, bytes/request", f"{alone['overhead_p50_ms']} {alone['bytes_per_request']}"),
+    ]
+
+
 def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()

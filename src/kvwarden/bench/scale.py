@@ -175,6 +175,20 @@ def online(model: str, args: argparse.Namespace, vocab: int, save: Any) -> list[
         return levels
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per part of the GPU script's summary cell (``summary_line``): load, offline,
+    online, invariance."""
+    out = [
+        ("layers, weights load s", f"{figures['config']['layers']} {figures.get('weights_load_s')}"),
+        ("offline tok/s", str(figures.get("offline_tok_s"))),
+    ]
+    if figures.get("online"):
+        out.append(("online [(c, tok/s, TPOT ms)]", str(_online(figures))))
+    if "invariance" in figures:
+        out.append(("invariance b/e/f", _invariance(figures)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="a published config.json (required unless --summarize)")
@@ -225,9 +239,16 @@ def main(argv: list[str] | None = None) -> int:
 def summary_line(r: dict[str, Any]) -> str:
     """Layers, weights load s, offline tok/s, [(concurrency, tok/s, TPOT ms)], b/e/f (T/F): the GPU script's
     summary cell."""
-    online = [(o["concurrency"], o["output_tok_s"], o["tpot_ms"]) for o in r["online"]]
-    inv = "/".join(str(v)[0] for v in r["invariance"].values()) or "-"
-    return f"{r['config']['layers']} {r['weights_load_s']} {r['offline_tok_s']} {online} {inv}"
+    return f"{r['config']['layers']} {r.get('weights_load_s')} {r.get('offline_tok_s')} {_online(r)} {_invariance(r)}"
+
+
+def _online(r: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(o["concurrency"], o["output_tok_s"], o["tpot_ms"]) for o in r.get("online", [])]
+
+
+def _invariance(r: dict[str, Any]) -> str:
+    """``T/T/F`` for (b), (e), (f); ``-`` when the run skipped them."""
+    return "/".join(str(v)[0] for v in r.get("invariance", {}).values()) or "-"
 
 
 def _save(out: Path | None, result: dict[str, Any]) -> None:

@@ -215,6 +215,18 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per headline figure: outcomes, the must-be-zero counts, the server's memory."""
+    zero = ("5xx", "leaked_kv_blocks", "leaked_state_slots", "requests_left_running", "replays_differing")
+    out = [
+        (f"{figures['requests']} requests at concurrency {figures['concurrency']}: outcomes", str(figures["outcomes"])),
+        ("must be 0: 5xx, KV, slots, running, replays", str([figures[k] for k in zero])),
+    ]
+    if "rss_mib_start" in figures:
+        out.append(("server RSS MiB (start, end)", f"{figures['rss_mib_start']} {figures['rss_mib_end']}"))
+    return out
+
+
 def main() -> int:
     args = parse()
     if args.url:

@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -79,6 +80,11 @@ def methods(model: str, draft: str | None) -> list[tuple[str, dict]]:
     if checkpoint_has_mtp(resolve_model(model)):
         out.append(("mtp", {"method": "mtp"}))
     return out
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: output equal to speculation off."""
+    return [("output equal to speculation off", str(all(r["identical_to_off"] for r in figures["rows"])))]
 
 
 def main() -> int:

@@ -115,6 +115,12 @@ def host_profile(run: Callable[..., Any], args: tuple[Any, ...], top: int) -> st
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: ms per engine step, per row."""
+    rows = figures["rows"]
+    return [("ms/step (by row)", str({k: round(1e3 * r["wall_s"] / r["steps"], 2) for k, r in rows.items()}))]
+
+
 def main() -> int:
     args = parse()
     from kvwarden import LLM, SamplingParams

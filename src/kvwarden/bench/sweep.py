@@ -19,6 +19,19 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: rows agreeing or refused, per dtype."""
+    rows = figures["rows"]
+    dtypes = [d for d, _ in figures.get("dtypes", [])] or list(dict.fromkeys(r["dtype"] for r in rows))
+    counts = [
+        f"{d}: {sum(r['status'] in ('agrees', 'refused') for r in rows if r['dtype'] == d)} of "
+        f"{sum(r['dtype'] == d for r in rows)}"
+        for d in dtypes
+    ]
+    return [("rows agreeing or refused", ", ".join(counts))]
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ import random
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -183,6 +184,39 @@ def model_rows(args: argparse.Namespace, device: str) -> list[dict]:
             }
         )
     return out
+
+
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: selection ratios, device times, model rows."""
+    sel, sink = figures["selection"], figures.get("sink")
+    big = [r for r in sel if r["keys"] >= 8192]
+    fast = "triton" if any("triton_ms" in r for r in sel) else "deterministic"  # the CPU has no Triton kernel
+    ratio = [(r["keys"], r["rows"], round(r["torch_topk_ms"] / r[f"{fast}_ms"], 2)) for r in (sel if sink else big)]
+    out = [(f"with a sink: torch.topk / {fast}" if sink else f"torch.topk / {fast} at 8K+ keys", str(ratio))]
+    timed = [r for r in big if "gpu_ms" in r]  # --variants on a GPU
+    if timed:
+        best = [(r["keys"], r["rows"], *b) for r in timed if (b := _best_shape(r["gpu_ms"]))]
+        out.append(("device time: torch.topk / best shape (8K+)", str(best)))
+        default = [(r["keys"], r["rows"], round(r["gpu_ms"]["torch.topk"] / r["gpu_ms"]["default"], 2)) for r in timed]
+        out.append(
+            ("device time: torch.topk / default (8K+)", f"{'graphs' if figures.get('graphs') else 'eager'} {default}")
+        )
+    if figures.get("models"):
+        rows = [(r["model"][:40], round(r["prefill_tok_s"]), round(r["decode_tok_s"], 1)) for r in figures["models"]]
+        out.append(("DSA vs dense prefill|decode tok/s", str(rows)))
+    return out
+
+
+def _best_shape(gpu_ms: dict[str, float]) -> tuple[str, float] | None:
+    """The fastest kernel shape (not torch.topk, the default or an eager timing; NaN: it failed) and torch.topk's
+    time over its; None when no shape ran."""
+    ran = [
+        (v, n) for n, v in gpu_ms.items() if n not in ("torch.topk", "default") and not n.endswith("eager") and v == v
+    ]
+    if not ran:
+        return None
+    ms, name = min(ran)
+    return name, round(gpu_ms["torch.topk"] / ms, 2)
 
 
 def main() -> None:

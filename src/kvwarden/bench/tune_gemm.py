@@ -100,6 +100,12 @@ def tune_shape(n: int, k: int, is_head: bool, dtype: torch.dtype) -> dict[str, A
     }
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per line of the GPU script's summary: shapes, all candidates invariant."""
+    shapes = figures["shapes"]
+    return [("shapes, all candidates invariant", f"{len(shapes)} {all(v['all_invariant'] for v in shapes.values())}")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", default=None)
