@@ -22,6 +22,7 @@ from util import assert_same
 
 PROMPT = [(7 * i) % 900 + 5 for i in range(45)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=20, ignore_eos=True)
+DENSE = ("llama", "qwen3", "qwen3_5", "granite_hybrid")  # no experts: no expert parallelism
 SEEDED = SamplingParams(temperature=0.9, seed=11, max_tokens=6, logprobs=20, ignore_eos=True)
 
 
@@ -49,7 +50,17 @@ def test_a_columns_bits_do_not_depend_on_how_many_columns_its_gemm_computes() ->
 
 @pytest.mark.parametrize(
     ("arch", "worlds"),
-    [("llama", (2, 4)), ("qwen3", (2,)), ("qwen3_moe", (2,)), ("glm_moe_dsa", (2, 4)), ("deepseek_v32", (2,))],
+    [
+        ("llama", (2, 4)),
+        ("qwen3", (2,)),
+        ("qwen3_moe", (2,)),
+        ("glm_moe_dsa", (2, 4)),
+        ("deepseek_v32", (2,)),
+        ("qwen3_next", (2,)),
+        ("qwen3_5", (2,)),
+        ("granite_hybrid", (2,)),
+        ("granite_hybrid_moe", (2,)),
+    ],
 )
 def test_tp_ranks_give_the_single_rank_answer_bitwise(models_root: Path, arch: str, worlds: tuple[int, ...]) -> None:
     """Greedy and seeded requests batched together, and every prompt position's logits: TP 2 (and 4 for Llama,
@@ -59,37 +70,40 @@ def test_tp_ranks_give_the_single_rank_answer_bitwise(models_root: Path, arch: s
     model = _made(models_root, arch, "tiny")
     ref_outs, ref_scores = _run(model, 1)
     for world in worlds:
-        outs, scores = _run(model, world, enable_expert_parallel=arch != "llama" and arch != "qwen3")
+        outs, scores = _run(model, world, enable_expert_parallel=arch not in DENSE)
         for ref, out in zip(ref_outs, outs, strict=True):
             assert_same(ref, out, f"{arch} on {world} ranks")
         assert torch.equal(scores, ref_scores)
 
 
-def test_tp2_keeps_every_invariance_property_against_one_rank(models_root: Path) -> None:
-    """(a)-(i) on two ranks, each compared with the single-rank engine's cold run."""
-    model = str(_made(models_root, "qwen3", "tiny"))
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+def test_tp2_keeps_every_invariance_property_against_one_rank(models_root: Path, arch: str) -> None:
+    """(a)-(i) on two ranks, each compared with the single-rank engine's cold run. The hybrid's prefix hits
+    restore state snapshots and its boundaries are captured on every rank (rank 0's state calls replayed)."""
+    model = str(_made(models_root, arch, "tiny"))
     rng = random.Random(2)
     prompt = [rng.randrange(3, 1000) for _ in range(37)]
     partners = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 21, 14)]
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=4, logprobs=5, ignore_eos=True)
     common = dict(block_size=16, max_num_batched_tokens=64, num_blocks=64)
     reference = LLM(model, enable_prefix_caching=False, **common).generate([prompt], params)[0]
-    make = partial(LLM, model, tensor_parallel_size=2, **common)
+    make = partial(LLM, model, tensor_parallel_size=2, enable_expert_parallel=arch not in DENSE, **common)
     report = check_properties(make, prompt, params, 16, partners, reference=reference)
     assert set(report.outcomes) == set(PROPERTIES)
     assert report.all_identical, report.failures()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_on_two_ranks_equals_one_rank_without_it(models_root: Path, method: str) -> None:
-    """(j) across rank counts: n-gram drafts, and a draft model (the model itself: every draft accepted)."""
-    model = str(_made(models_root, "llama", "tiny"))
+@pytest.mark.parametrize(("arch", "method"), [("llama", "ngram"), ("llama", "draft"), ("qwen3_next", "ngram")])
+def test_speculation_on_two_ranks_equals_one_rank_without_it(models_root: Path, arch: str, method: str) -> None:
+    """(j) across rank counts: n-gram drafts, and a draft model (the model itself: every draft accepted); on
+    the hybrid, rejected drafts roll every rank's recurrent states back."""
+    model = str(_made(models_root, arch, "tiny"))
     motif = [17, 400, 23, 901, 5, 66]
     prompt = (motif * 7)[:40]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=20, ignore_eos=True)
     ref = LLM(model).generate([prompt], params)[0]
     spec = {"method": method, "num_speculative_tokens": 3} | ({"model": model} if method == "draft" else {})
-    with LLM(model, tensor_parallel_size=2, speculative_config=spec) as llm:
+    with LLM(model, tensor_parallel_size=2, enable_expert_parallel=arch not in DENSE, speculative_config=spec) as llm:
         assert_same(ref, llm.generate([prompt], params)[0], f"{method} speculation on 2 ranks")
         drafted = llm.engine.stats()["spec_num_draft_tokens"]
     assert drafted > 0 or method == "ngram"  # n-gram lookup proposes only where the text repeats itself
@@ -137,7 +151,8 @@ def test_a_killed_rank_fails_the_next_step_naming_it(models_root: Path) -> None:
 @pytest.mark.parametrize(
     ("arch", "kw", "message"),
     [
-        ("qwen3_next", {}, r"tensor_parallel_size: models with recurrent layers"),
+        ("qwen3_next", {"tensor_parallel_size": 4}, r"4 does not divide linear_num_key_heads \(2\)"),
+        ("granite_hybrid", {"tensor_parallel_size": 4}, r"4 must divide mamba_n_groups \(2\) and mamba_n_heads"),
         ("qwen3_moe", {}, r"pass enable_expert_parallel \(--enable-expert-parallel\)"),
         ("llama", {"tensor_parallel_size": 3}, r"3 does not divide num_attention_heads \(4\)"),
         ("llama", {"enable_expert_parallel": True}, r"enable_expert_parallel: the model has no experts"),
@@ -173,3 +188,14 @@ def test_the_bench_prints_both_exchanges_and_the_same_tokens_at_each_rank_count(
     assert all(r["same_tokens_b1"] and r["same_tokens_b4"] for r in result["engine"])
     assert [r["batch"] for r in result["exchange"]] == [1, 4]
     assert all(r["gather_ms"] > 0 and r["allreduce_ms"] > 0 for r in result["exchange"])
+
+
+def test_a_disaggregated_role_is_refused_on_several_ranks(models_root: Path) -> None:
+    # rank 0 holds only its own heads' KV blocks and recurrent states: nothing whole to transfer
+    import subprocess
+    import sys
+
+    model = str(_made(models_root, "llama", "tiny"))
+    cmd = [sys.executable, "-m", "kvwarden", "serve", model, "--role", "decode", "--tensor-parallel-size", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--tensor-parallel-size: not supported with --role decode" in done.stderr

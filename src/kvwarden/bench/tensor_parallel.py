@@ -51,7 +51,9 @@ def engine_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows, first = [], {}
     for n in args.ranks:
-        with LLM(model, tensor_parallel_size=n, max_num_batched_tokens=max(512, args.prefill_len)) as llm:
+        ep = args.enable_expert_parallel and n > 1  # one rank holds every expert
+        budget = max(512, args.prefill_len)
+        with LLM(model, tensor_parallel_size=n, enable_expert_parallel=ep, max_num_batched_tokens=budget) as llm:
             vocab = min(llm.engine.model_config.vocab_size, 8000)
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm
@@ -119,6 +121,18 @@ def exchange_rows(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def summarize(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """One (label, value) pair per headline figure: decode tok/s and equal tokens per rank count, the exchange."""
+    out = []
+    for r in figures["engine"]:
+        tok_s = [v for k, v in r.items() if k.startswith("decode_tok_s")]
+        same = all(v for k, v in r.items() if k.startswith("same_tokens"))
+        out.append((f"TP {r['ranks']}: decode tok/s by batch, equal, prefill s", f"{tok_s} {same} {r['prefill_s']}"))
+    ex = [(r["batch"], r["gather_ms"], r["allreduce_ms"], r.get("invariant_extra_share")) for r in figures["exchange"]]
+    out.append(("exchange (b, gather ms, all-reduce ms, extra)", str(ex)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:llama-small")
@@ -128,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--enable-expert-parallel", action="store_true", help="a MoE model's experts over the ranks")
     p.add_argument("--out", type=Path)
     p.add_argument("--peer-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--shapes", help=argparse.SUPPRESS)

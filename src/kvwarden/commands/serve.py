@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--speculative-config: not supported with --role {args.role} yet (disaggregated requests)")
     if args.role != "both" and args.context_parallel_size > 1:
         raise ValueError(f"--context-parallel-size: not supported with --role {args.role} yet")
+    if args.role != "both" and args.tensor_parallel_size > 1:  # rank 0 holds only its heads' KV and states
+        raise ValueError(f"--tensor-parallel-size: not supported with --role {args.role} yet")
     if args.unsafe_pd_abort and args.role != "decode":
         raise ValueError("--unsafe-pd-abort: applies to the decode role (--role decode)")
     if args.threads is not None and args.threads < 1:

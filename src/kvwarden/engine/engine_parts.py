@@ -4,7 +4,7 @@ pool beside it), the model runner with its parallel ranks, and the host-memory t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvwarden.cache.block_pool import BlockPool
@@ -12,12 +12,14 @@ from kvwarden.cache.host_tier import HostTier, make_host_tier
 from kvwarden.cache.hybrid_manager import HybridCacheManager
 from kvwarden.cache.kv_cache_manager import KVCacheManager
 from kvwarden.cache.state_pool import StatePool
+from kvwarden.cache.state_spec import RecurrentLayerSpec
 from kvwarden.config import EngineConfig
 from kvwarden.engine.context_parallel import ContextParallel
 from kvwarden.engine.context_parallel.layer_split import owned_layers
 from kvwarden.engine.memory import check_scan_chunk, num_cache_blocks
 from kvwarden.engine.model_runner import ModelRunner
 from kvwarden.engine.tensor_parallel import TensorParallel
+from kvwarden.engine.tensor_parallel.state_journal import StateJournal
 
 if TYPE_CHECKING:
     from kvwarden.layers.numerics import Ops
@@ -32,6 +34,13 @@ class EngineCache:
     pool: BlockPool
     kv: KVCacheManager | HybridCacheManager
     states: StatePool | None
+    journal: StateJournal | None = None  # tensor parallelism: the state calls the workers replay
+
+    @property
+    def managed_states(self) -> StatePool | None:
+        """What the engine's parts that change states (cache manager, speculation) talk to: the journal under
+        tensor parallelism (every change replayed on the workers), else the pool itself."""
+        return self.journal or self.states  # type: ignore[return-value]  # the journal passes reads through
 
 
 def build_cache(config: EngineConfig, device: str, ops: Ops, loaded: LoadedModel) -> EngineCache:
@@ -50,18 +59,20 @@ def build_cache(config: EngineConfig, device: str, ops: Ops, loaded: LoadedModel
     num_blocks = cache.num_blocks or num_cache_blocks(config, device, loaded.config, model, mtp_bytes)
     pool = BlockPool(num_blocks, cache.enable_prefix_caching)
     kv: KVCacheManager | HybridCacheManager = KVCacheManager(pool, cache.block_size, cache.enable_prefix_caching)
-    states = None
-    if specs:
-        states = StatePool(
-            specs,
-            config.scheduler.max_num_seqs,
-            num_blocks,
-            config.numerics.scan_chunk,
-            ops.device,
-            pending={"chunked": "chunked", "grid": "ring"}.get(ops.scan_mode, "none"),
-        )
-        kv = HybridCacheManager(kv, states)
-    return EngineCache(num_blocks, pool, kv, states)
+    if not specs:
+        return EngineCache(num_blocks, pool, kv, None)
+    states = make_states(config, ops, specs, num_blocks)
+    journal = StateJournal(states) if config.parallel.tensor_parallel else None
+    parts = EngineCache(num_blocks, pool, kv, states, journal)
+    return replace(parts, kv=HybridCacheManager(kv, parts.managed_states))
+
+
+def make_states(config: EngineConfig, ops: Ops, specs: list[RecurrentLayerSpec], num_blocks: int) -> StatePool:
+    """The recurrent-state pool: a working slot per running request, a snapshot slot per KV block (a
+    tensor-parallel worker makes its own, of its heads, with the same slots)."""
+    pending = {"chunked": "chunked", "grid": "ring"}.get(ops.scan_mode, "none")
+    seqs, chunk = config.scheduler.max_num_seqs, config.numerics.scan_chunk
+    return StatePool(specs, seqs, num_blocks, chunk, ops.device, pending=pending)
 
 
 def build_runner(
@@ -88,7 +99,7 @@ def build_runner(
     if par.enabled:
         parallel = ContextParallel(config, runner, parts.num_blocks)
     elif par.tensor_parallel:
-        parallel = TensorParallel(config, runner, parts.num_blocks)
+        parallel = TensorParallel(config, runner, parts.num_blocks, parts.journal)
     if parallel is not None:
         runner.attach_parallel(parallel)
     return runner, parallel

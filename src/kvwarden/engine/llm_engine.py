@@ -62,7 +62,7 @@ class LLMEngine:
         self.max_model_len = context_limit(config.max_model_len, self.model_config)
         cache = config.cache
         parts = build_cache(config, self.device, self.ops, self.loaded)
-        self.num_blocks, self.pool, self.kv, self.states = parts.num_blocks, parts.pool, parts.kv, parts.states
+        self.num_blocks, self.pool, self.kv, self.states = parts.num_blocks, parts.pool, parts.kv, parts.managed_states
         self.spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, cache.block_size, speculative=self.spec is not None)
         self.runner, self.parallel = build_runner(config, self.loaded, parts, self.max_model_len)

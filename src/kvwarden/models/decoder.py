@@ -50,9 +50,9 @@ class DecoderLayer:
         elif self.kind == ATTENTION:
             self.mixer = AttentionBlock(cfg, get, f"{prefix}.self_attn", ops, rope, shard)
         elif self.kind == GATED_DELTANET:
-            self.mixer = GatedDeltaNetBlock(cfg, get, f"{prefix}.linear_attn", ops)
+            self.mixer = GatedDeltaNetBlock(cfg, get, f"{prefix}.linear_attn", ops, shard)
         else:
-            self.mixer = Mamba2Block(cfg, get, f"{prefix}.mamba", ops)
+            self.mixer = Mamba2Block(cfg, get, f"{prefix}.mamba", ops, shard)
         self.mixer.name = f"{self.name}.{'attn' if self.kind == ATTENTION else 'rec'}"
         self.ffn = build_ffn(cfg, get, index, ops, prefix, shard)
         self.kv_index = -1  # index into the KV caches (attention layers)

@@ -42,13 +42,18 @@ class MLP:
 class GraniteMLP:
     """Granite's ``shared_mlp``: one ``input_linear`` producing [gate | up], then ``output_linear``."""
 
-    def __init__(self, get: WeightGetter, prefix: str, ops: Ops) -> None:
-        self.ops = ops
+    def __init__(self, get: WeightGetter, prefix: str, ops: Ops, shard: TensorShard | None = None) -> None:
+        """``shard``: as :class:`MLP`'s (this rank's gate and up columns in ``input_linear``)."""
+        self.ops, self.shard = ops, shard or TensorShard()
         self.w_in = require(get, f"{prefix}.input_linear.weight")
         self.w_out = require(get, f"{prefix}.output_linear.weight")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(self.ops.linear_swiglu(h, self.w_in), self.w_out)
+        act = self.ops.linear_swiglu(h, self.w_in)
+        if not self.shard.active:
+            return self.ops.linear(act, self.w_out)
+        act = self.shard.gather(act, act.shape[1] * self.shard.world)  # gathered, never summed (as MLP)
+        return self.shard.gather(self.ops.linear(act, self.w_out), self.w_out.shape[0] * self.shard.world)
 
 
 class SparseMoE:
@@ -91,7 +96,10 @@ class SparseMoE:
             self.router = require(get, f"{moe}.router.layer.weight")
             w_gate_up = require(get, f"{moe}.input_linear.weight")  # [E, 2I, H]: gate rows, then up rows
             w_down = require(get, f"{moe}.output_linear.weight")  # [E, H, I]
-            self.shared = GraniteMLP(get, f"{prefix}.shared_mlp", ops)
+            if self.shard.active:  # expert parallelism: this rank's block of whole experts
+                w_gate_up = w_gate_up[self.owned.start : self.owned.stop].contiguous()
+                w_down = w_down[self.owned.start : self.owned.stop].contiguous()
+            self.shared = GraniteMLP(get, f"{prefix}.shared_mlp", ops, self.shard)
         else:
             mlp = f"{prefix}.mlp"
             self.router = require(get, f"{mlp}.gate.weight")
@@ -215,5 +223,5 @@ def build_ffn(
     if cfg.moe is not None and (extra or cfg.moe.sparse_layers[index]):
         return SparseMoE(cfg, get, prefix, ops, shard)
     if cfg.architecture == "GraniteMoeHybridForCausalLM":
-        return GraniteMLP(get, f"{prefix}.shared_mlp", ops)
+        return GraniteMLP(get, f"{prefix}.shared_mlp", ops, shard)
     return MLP(get, f"{prefix}.mlp", ops, bias=cfg.mlp_bias, shard=shard)

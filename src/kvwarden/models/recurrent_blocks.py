@@ -31,6 +31,7 @@ from kvwarden.models.recurrent_batched import (
     trace_states_in,
     window_rows,
 )
+from kvwarden.models.tensor_shard import TensorShard
 
 
 class _RecurrentBlock:
@@ -39,7 +40,17 @@ class _RecurrentBlock:
     ops: Ops
     conv_w: torch.Tensor
     conv_b: torch.Tensor | None
+    shard: TensorShard
     name: str = "rec"
+
+    def _project_out(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``out_proj``. Under tensor parallelism this rank holds its heads and its output columns: every head's
+        output is gathered first, the output columns after. NOTE(invariance): gathered, never summed across
+        ranks (models/tensor_shard.py), so every column is one rank's whole reduction, as on one rank."""
+        if not self.shard.active:
+            return self.ops.linear(x, w, b)
+        x = self.shard.gather(x, x.shape[1] * self.shard.world)
+        return self.shard.gather(self.ops.linear(x, w, b), w.shape[0] * self.shard.world)
 
     def _scan_requests(self, mixed: torch.Tensor, batch: ForwardBatch, layer: int, features: Callable) -> torch.Tensor:
         """Per request: conv (from its window) -> features -> scan; returns scan outputs per row."""
@@ -91,9 +102,12 @@ class _RecurrentBlock:
 class GatedDeltaNetBlock(_RecurrentBlock):
     """Qwen3-Next linear attention: conv -> gated delta rule -> gated RMSNorm -> out_proj."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+    def __init__(
+        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, shard: TensorShard | None = None
+    ) -> None:
+        """``shard``: under tensor parallelism ``cfg`` holds this rank's key-head groups and ``get`` their rows."""
         assert cfg.gated_deltanet is not None
-        self.g, self.ops, self.eps = cfg.gated_deltanet, ops, cfg.rms_norm_eps
+        self.g, self.ops, self.eps, self.shard = cfg.gated_deltanet, ops, cfg.rms_norm_eps, shard or TensorShard()
         if get(f"{prefix}.in_proj_qkv.weight") is not None:  # Qwen3.5: four separate projections
             self.w_qkvz, self.w_ba = _fuse_qwen3_5(get, prefix, cfg.gated_deltanet)
         else:
@@ -144,7 +158,7 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         core = self._scan_requests(mixed, batch, layer, features).view(rows * hv, dv)
         normed = ops.rms_norm(core.to(h.dtype), self.norm, self.eps)
         gated = normed.float() * self._silu(z.reshape(rows * hv, dv).float())
-        return ops.linear(gated.to(h.dtype).reshape(rows, hv * dv), self.w_out)
+        return self._project_out(gated.to(h.dtype).reshape(rows, hv * dv), self.w_out)
 
     def _batched(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """Every request at once: conv, then the scan with its gates, then the gated norm (GPU backends)."""
@@ -170,7 +184,7 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         gated = ops.rms_norm_gated(
             core, self.norm, self.eps, qkvz, self.group, 2 * g.key_head_dim + rep * g.value_head_dim, rep
         )
-        return ops.linear(gated.view(rows, -1), self.w_out)
+        return self._project_out(gated.view(rows, -1), self.w_out)
 
     def _unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Packed features -> per-head q, k, v [Hv, L, d], g, beta [Hv, L] (q, k l2-normalised)."""
@@ -204,9 +218,12 @@ class GatedDeltaNetBlock(_RecurrentBlock):
 class Mamba2Block(_RecurrentBlock):
     """Granite's Mamba2 mixer: in_proj -> conv -> SSD scan -> gated group RMSNorm -> out_proj."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops) -> None:
+    def __init__(
+        self, cfg: ModelConfig, get: WeightGetter, prefix: str, ops: Ops, shard: TensorShard | None = None
+    ) -> None:
+        """``shard``: under tensor parallelism ``cfg`` holds this rank's groups and heads, ``get`` their rows."""
         assert cfg.mamba2 is not None
-        self.m, self.ops, self.eps = cfg.mamba2, ops, cfg.rms_norm_eps
+        self.m, self.ops, self.eps, self.shard = cfg.mamba2, ops, cfg.rms_norm_eps, shard or TensorShard()
         self.w_in, self.b_in = require(get, f"{prefix}.in_proj.weight"), get(f"{prefix}.in_proj.bias")
         self.conv_w = require(get, f"{prefix}.conv1d.weight").squeeze(1)
         self.conv_b = get(f"{prefix}.conv1d.bias")
@@ -249,7 +266,7 @@ class Mamba2Block(_RecurrentBlock):
         ones = torch.ones(group, dtype=torch.float32, device=h.device)
         normed = ops.rms_norm(gated.reshape(rows * m.n_groups, group), ones, self.eps).reshape(rows, m.inner)
         normed = self.norm * normed.to(h.dtype)
-        return ops.linear(normed, self.w_out, self.b_out)
+        return self._project_out(normed, self.w_out, self.b_out)
 
     def _batched(self, proj: torch.Tensor, dt: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """Every request at once: conv, then the scan (dt's softplus and clamp inside); ``[rows, inner]`` float32."""

@@ -4,7 +4,8 @@ per-rank config its blocks are built from, and the one collective its forward pa
 NOTE(invariance) - the answer does not depend on the number of ranks, by construction: **no reduction
 ever crosses ranks**. Every weight is split by its *output* columns (attention and MLP projections by
 heads and intermediate columns, the output projections ``o_proj`` / ``down_proj`` by their output
-columns too, the embedding and LM head by vocabulary rows, MoE layers by whole experts), so every number
+columns too, the embedding and LM head by vocabulary rows, MoE layers by whole experts, a gated DeltaNet
+by key-head group and a Mamba2 layer by group, with their states), so every number
 is computed on exactly one rank, over its whole reduction, in the order one rank alone would use. Where a
 projection needs inputs other ranks computed (``o_proj`` reads every head's attention output, ``down_proj``
 every intermediate column), they are all-gathered first; outputs are all-gathered (concatenated in rank
@@ -83,13 +84,17 @@ def unsupported(cfg: ModelConfig, world: int, expert_parallel: bool) -> str | No
     """Why ``cfg`` cannot run on ``world`` tensor-parallel ranks, naming the field; None when it can."""
     if world == 1:
         return None
-    if cfg.recurrent_layers:
+    g, m = cfg.gated_deltanet, cfg.mamba2
+    if g is not None and g.num_key_heads % world:
         return (
-            "tensor_parallel_size: models with recurrent layers (gated DeltaNet / Mamba2: Qwen3-Next, Qwen3.5, "
-            "Granite 4.0-H) are not sharded yet"
+            f"tensor_parallel_size: {world} does not divide linear_num_key_heads ({g.num_key_heads}): gated "
+            "DeltaNet heads are split by key-head group"
         )
-    if cfg.attn_output_gate:
-        return "tensor_parallel_size: gated attention outputs are not sharded yet"
+    if m is not None and (m.n_groups % world or m.num_heads % world):
+        return (
+            f"tensor_parallel_size: {world} must divide mamba_n_groups ({m.n_groups}) and mamba_n_heads "
+            f"({m.num_heads}): Mamba2 heads are split by group, and its gated norm spans a group"
+        )
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if cfg.mla is not None:
         kv = h  # latent attention: the heads' K/V come from one latent row every rank keeps whole
@@ -122,8 +127,16 @@ def local_config(cfg: ModelConfig, shard: TensorShard) -> ModelConfig:
         return cfg
     w = shard.world
     kv = max(1, cfg.num_key_value_heads // w)
+    g, m = cfg.gated_deltanet, cfg.mamba2
+    recurrent: dict[str, Any] = {}
+    if g is not None:  # each rank's key-head groups with their value heads, and their states
+        recurrent["gated_deltanet"] = replace(
+            g, num_key_heads=g.num_key_heads // w, num_value_heads=g.num_value_heads // w
+        )
+    if m is not None:  # each rank's groups with their heads, and their states
+        recurrent["mamba2"] = replace(m, num_heads=m.num_heads // w, n_groups=m.n_groups // w)
     return replace(cfg, num_attention_heads=cfg.num_attention_heads // w, num_key_value_heads=kv,
-                   intermediate_size=cfg.intermediate_size // w)  # fmt: skip
+                   intermediate_size=cfg.intermediate_size // w, **recurrent)  # fmt: skip
 
 
 def kv_heads(cfg: ModelConfig, shard: TensorShard) -> slice:
@@ -152,8 +165,10 @@ def shard_getter(get: Any, cfg: ModelConfig, shard: TensorShard) -> Any:
     d = cfg.head_dim
     q_rows = shard.part(cfg.num_attention_heads)
     kv = kv_heads(cfg, shard)
+    qd = 2 * d if cfg.attn_output_gate else d  # Qwen3-Next: each head's query then its output gate
+    recurrent = _recurrent_rows(cfg, shard)
     rows = {
-        "q_proj": slice(q_rows.start * d, q_rows.stop * d),
+        "q_proj": slice(q_rows.start * qd, q_rows.stop * qd),
         **_latent_rows(cfg, q_rows),
         "k_proj": slice(kv.start * d, kv.stop * d),
         "v_proj": slice(kv.start * d, kv.stop * d),
@@ -169,6 +184,13 @@ def shard_getter(get: Any, cfg: ModelConfig, shard: TensorShard) -> Any:
             return t[shard.part(cfg.vocab_size)].contiguous()
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
+        if ".linear_attn." in name or ".mamba." in name:
+            key = module if module in recurrent else parts[-1]
+            return _rows(t, recurrent[key]) if key in recurrent else t
+        if ".shared_mlp." in name:  # Granite's dense MLP: input_linear is [gate | up], output_linear as down_proj
+            half = t.shape[0] // 2
+            cols = shard.part(half) if module == "input_linear" else shard.part(cfg.hidden_size)
+            return _rows(t, [cols, slice(half + cols.start, half + cols.stop)] if module == "input_linear" else [cols])
         if module in rows:
             return t[rows[module]].contiguous()
         if module in ("gate_proj", "up_proj"):
@@ -176,3 +198,39 @@ def shard_getter(get: Any, cfg: ModelConfig, shard: TensorShard) -> Any:
         return t
 
     return sliced
+
+
+def _rows(t: torch.Tensor, parts: list[slice]) -> torch.Tensor:
+    return torch.cat([t[p] for p in parts]).contiguous()
+
+
+def _scaled(part: slice, width: int, offset: int = 0) -> slice:
+    return slice(offset + part.start * width, offset + part.stop * width)
+
+
+def _recurrent_rows(cfg: ModelConfig, shard: TensorShard) -> dict[str, list[slice]]:
+    """The rows of each recurrent-layer tensor (by module, or by parameter name) this rank holds: its
+    gated-DeltaNet key-head groups (with their value heads) or its Mamba2 groups (with their heads), in each
+    packed projection's layout. ``norm`` is per head and whole, ``out_proj`` split by output columns."""
+    out: dict[str, list[slice]] = {"out_proj": [shard.part(cfg.hidden_size)]}
+    g, m = cfg.gated_deltanet, cfg.mamba2
+    if g is not None:
+        kh, vh = shard.part(g.num_key_heads), shard.part(g.num_value_heads)
+        dk, dv, rep, key = (
+            g.key_head_dim,
+            g.value_head_dim,
+            g.num_value_heads // g.num_key_heads,
+            g.num_key_heads * g.key_head_dim,
+        )
+        qkv = [_scaled(kh, dk), _scaled(kh, dk, key), _scaled(vh, dv, 2 * key)]  # q | k | v, every head's
+        out |= {"in_proj_qkvz": [_scaled(kh, 2 * dk + 2 * rep * dv)], "in_proj_ba": [_scaled(kh, 2 * rep)],
+                "conv1d": qkv, "in_proj_qkv": qkv, "in_proj_z": [_scaled(vh, dv)], "in_proj_b": [vh],
+                "in_proj_a": [vh], "dt_bias": [vh], "A_log": [vh]}  # fmt: skip
+    if m is not None:
+        hp, gp, p, n, inner = shard.part(m.num_heads), shard.part(m.n_groups), m.head_dim, m.state_size, m.inner
+        xbc = [_scaled(hp, p), _scaled(gp, n, inner), _scaled(gp, n, inner + m.n_groups * n)]  # x | B | C
+        gate_xbc_dt = [_scaled(hp, p)] + [slice(inner + s.start, inner + s.stop) for s in xbc]
+        gate_xbc_dt.append(slice(inner + m.conv_dim + hp.start, inner + m.conv_dim + hp.stop))
+        out |= {"in_proj": gate_xbc_dt, "conv1d": xbc, "dt_bias": [hp], "A_log": [hp], "D": [hp],
+                "norm": [_scaled(hp, p)]}  # fmt: skip
+    return out

@@ -16,6 +16,7 @@ from kvwarden.engine.context_parallel.workers import RankWorkers
 from kvwarden.engine.model_runner import BatchEntry, ModelRunner
 from kvwarden.engine.tensor_parallel.comm import GlooColumns
 from kvwarden.engine.tensor_parallel.messages import FORWARD, STOP, encode_step
+from kvwarden.engine.tensor_parallel.state_journal import StateJournal
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,15 @@ class TensorParallel:
 
     every_step = True
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, num_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner, num_blocks: int, journal: StateJournal | None = None
+    ) -> None:
+        """``journal``: a hybrid model's state-pool calls, which every step's message carries to the workers."""
         why = unsupported(config, runner)
         if why is not None:
             raise ValueError(why)
         self.world = config.parallel.tensor_parallel_size
-        self.runner = runner
+        self.runner, self.journal = runner, journal
         self.broken: str | None = None
         self._logits: torch.Tensor | None = None
         threads = max(1, (os.cpu_count() or 1) // self.world)
@@ -80,7 +84,7 @@ class TensorParallel:
         if self.group is None:
             raise RuntimeError("tensor parallelism: the engine was closed")
         want = want_rows or []
-        self.workers.post(encode_step(FORWARD, entries, want))
+        self.workers.post(encode_step(FORWARD, entries, want, self.journal.take() if self.journal else None))
         try:
             hidden, self._logits = run_step(self.runner, entries, want)
         except BaseException as e:

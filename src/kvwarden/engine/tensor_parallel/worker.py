@@ -18,10 +18,12 @@ from kvwarden.config import EngineConfig, resolve_device
 from kvwarden.engine.context_parallel.group import RankGroup
 from kvwarden.engine.context_parallel.messages import decode_setup
 from kvwarden.engine.context_parallel.worker import IDLE_TIMEOUT_S, _delta, _die_with_parent
+from kvwarden.engine.engine_parts import make_states
 from kvwarden.engine.model_runner import ModelRunner
 from kvwarden.engine.tensor_parallel.comm import GlooColumns
 from kvwarden.engine.tensor_parallel.coordinator import run_step
 from kvwarden.engine.tensor_parallel.messages import STOP, decode_step
+from kvwarden.engine.tensor_parallel.state_journal import replay
 from kvwarden.layers.backends import make_ops
 from kvwarden.models.loader import load_for
 from kvwarden.models.tensor_shard import TensorShard
@@ -33,7 +35,9 @@ def build_runner(config: EngineConfig, num_blocks: int, rank: int) -> ModelRunne
     par = config.parallel
     shard = TensorShard(rank, par.tensor_parallel_size, par.enable_expert_parallel)
     loaded = load_for(config, ops, shard)
-    return ModelRunner(loaded.model, num_blocks, config.cache.block_size, config.numerics)
+    specs = loaded.model.recurrent_specs()  # this rank's heads' states, in rank 0's slots (state_journal.py)
+    states = make_states(config, ops, specs, num_blocks) if specs else None
+    return ModelRunner(loaded.model, num_blocks, config.cache.block_size, config.numerics, states)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         step = 0
         while True:
             key = f"step{step}/{args.rank}"
-            kind, entries, want = decode_step(store.get(key))
+            kind, entries, want, calls = decode_step(store.get(key))
             store.delete_key(key)
             step += 1
             if kind == STOP:
                 break
+            if runner.states is not None:
+                replay(runner.states, calls)
             with torch.inference_mode():
                 run_step(runner, entries, want)
         group.close()
