@@ -266,3 +266,47 @@ def test_probe_url_counts_lengths_in_tokens_through_the_servers_tokenize(tmp_pat
             args[1] = g.url
             done = _probe(args, tmp_path / "words")
             assert "/tokenize did not answer" in done.stderr and "WORDS" in done.stdout
+
+
+SERVER_SCRIPT = """
+import http.server, pathlib, socket, sys
+port, held, marker, failures = int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]), int(sys.argv[4])
+tries = int(marker.read_text()) if marker.exists() else 0
+marker.write_text(str(tries + 1))
+if tries < failures:  # the port another process took between choosing and binding: the OS's own error
+    try:
+        socket.create_server(("127.0.0.1", held))
+    except OSError as exc:
+        print(f"cannot listen: {exc}", flush=True)
+        sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(tmp_path: Path, failures: int) -> None:
+    import socket
+
+    from kvwarden.probe.launchers import PORT_ATTEMPTS, ServerFailed
+
+    script, marker = tmp_path / "server.py", tmp_path / "tries"
+    script.write_text(SERVER_SCRIPT)
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        taken = held.getsockname()[1]
+        launcher = TemplateLauncher(f"{sys.executable} {script} {{port}} {taken} {marker} {failures}")
+        if failures < PORT_ATTEMPTS:
+            server = launcher.start("m", ServerSettings(), tmp_path, "retry")
+            try:
+                assert server.process.poll() is None and int(marker.read_text()) == failures + 1
+            finally:
+                server.stop()
+        else:  # every attempt collides: the error names it, after PORT_ATTEMPTS starts
+            with pytest.raises(ServerFailed, match=r"(?i)address already in use"):
+                launcher.start("m", ServerSettings(), tmp_path, "retry")
+            assert int(marker.read_text()) == PORT_ATTEMPTS

@@ -52,6 +52,9 @@ class ServerFailed(RuntimeError):
     """The server exited or never became ready; carries the tail of its log."""
 
 
+PORT_ATTEMPTS = 3  # a chosen port taken by another process before the server binds it: start again
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,6 +122,18 @@ class Launcher:
         return discover(server.url, server.log_path, settings.block_size, settings.max_num_batched_tokens)
 
     def start(self, model: str, settings: ServerSettings, run_dir: Path, label: str) -> RunningServer:
+        """The server on a free loopback port. A port is free when chosen, not when the server binds it:
+        another process may take it in between (parallel test workers do), so a server that exits because
+        its port is in use is started again on another one, a few times."""
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return self._start_once(model, settings, run_dir, label)
+            except ServerFailed as failed:
+                if attempt == PORT_ATTEMPTS - 1 or "already in use" not in str(failed).lower():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, model: str, settings: ServerSettings, run_dir: Path, label: str) -> RunningServer:
         port = free_port()
         log_path = run_dir / "logs" / f"{label}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
