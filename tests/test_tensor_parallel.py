@@ -76,6 +76,17 @@ def test_tp_ranks_give_the_single_rank_answer_bitwise(models_root: Path, arch: s
         assert torch.equal(scores, ref_scores)
 
 
+def test_a_hybrid_on_four_ranks_gives_the_single_rank_answer(models_root: Path) -> None:
+    """The hybrid's 4-rank case: Qwen3-Next's small preset has 4 gated-DeltaNet key heads (one group per
+    rank), 8 experts (2 per rank) and 2 KV heads (replicated on 4 ranks)."""
+    model = _made(models_root, "qwen3_next", "small")
+    ref_outs, ref_scores = _run(model, 1)
+    outs, scores = _run(model, 4, enable_expert_parallel=True)
+    for ref, out in zip(ref_outs, outs, strict=True):
+        assert_same(ref, out, "qwen3_next-small on 4 ranks")
+    assert torch.equal(scores, ref_scores)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
 def test_tp2_keeps_every_invariance_property_against_one_rank(models_root: Path, arch: str) -> None:
     """(a)-(i) on two ranks, each compared with the single-rank engine's cold run. The hybrid's prefix hits
