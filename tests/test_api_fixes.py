@@ -137,7 +137,7 @@ def test_predict_takes_the_engines_spelling_of_the_draft_count() -> None:
     base = [sys.executable, "-m", "kvwarden.cli", "predict", "--rule", "vllm-align", "--block-size", "16",
             "--pair", "40:60:30", "--json"]  # fmt: skip
     new, old = (
-        subprocess.run([*base, flag, "1"], capture_output=True, text=True, check=True).stdout
+        subprocess.run([*base, flag, "1"], capture_output=True, text=True, check=False).stdout
         for flag in ("--num-speculative-tokens", "--num-spec-tokens")
     )
     assert new == old and json.loads(new.splitlines()[0])

@@ -4,6 +4,7 @@ and the closed loop between the predictor and what the probe observes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,10 +165,9 @@ def test_unreachable_and_crashing_servers_are_reported_and_nothing_is_lost(tmp_p
     done = _probe(
         ["--url", url, "--served-model-name", "m", "--scenario", "repeat", "--repeats", "2"], tmp_path / "down"
     )
-    assert done.returncode == 2
-    assert (
-        "error" in done.stdout and "ConnectError" in (tmp_path / "down" / "records.jsonl").read_text()
-    ) or "connect" in done.stdout.lower()
+    # stopped before anything is written, naming the flag
+    assert done.returncode == 2 and "--url: cannot reach" in done.stderr and "ConnectError" in done.stderr
+    assert not (tmp_path / "down").exists()
     crash = f"{sys.executable} -c \"import sys; print('boom: cannot bind {{port}}'); sys.exit(3)\""
     done = _probe(
         ["--launcher", "custom", "--command", crash, "--model", "x", "--scenario", "repeat", "--repeats", "2"],
@@ -177,7 +177,6 @@ def test_unreachable_and_crashing_servers_are_reported_and_nothing_is_lost(tmp_p
     errors = [r for r in RecordLog(tmp_path / "crash" / "records.jsonl").read() if r["type"] == "arm_error"]
     assert errors and "exited with 3" in errors[0]["error"] and "boom: cannot bind" in errors[0]["error"]
     assert early_deaths(tmp_path / "crash")[0]["arm"] == errors[0]["arm"]
-    assert early_deaths(tmp_path / "down") == []  # nothing started, nothing died
     # resume: a finished run skips its arms, keeps every earlier record and starts no server
     run = tmp_path / "resume"
     args = ["--launcher", "kvwarden", "--model", str(hybrid), "--scenario", "repeat", "--repeats", "2"]
@@ -310,3 +309,27 @@ def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(tmp_path:
             with pytest.raises(ServerFailed, match=r"(?i)address already in use"):
                 launcher.start("m", ServerSettings(), tmp_path, "retry")
             assert int(marker.read_text()) == PORT_ATTEMPTS
+
+
+def test_a_server_that_needs_a_key_stops_the_probe_at_once_naming_the_flag(tmp_path: Path, llama_tiny: Path) -> None:
+    import os
+
+    from server_util import running_server
+
+    with running_server(str(llama_tiny), "--api-key", "s3cret", "--served-model-name", "m") as server:
+        args = ["--url", server.url, "--served-model-name", "m", "--scenario", "repeat", "--repeats", "2"]
+        env = {k: v for k, v in os.environ.items() if k != "KVWARDEN_API_KEY"}
+        cmd = [sys.executable, "-m", "kvwarden.cli", "probe", *args]
+        keyless = subprocess.run([*cmd, "--out", str(tmp_path / "a")], capture_output=True, text=True, env=env)
+        assert keyless.returncode == 2 and "needs a key: pass --api-key" in keyless.stderr
+        assert not (tmp_path / "a").exists()
+        wrong_key = [*cmd, "--api-key", "nope", "--out", str(tmp_path / "b")]
+        wrong = subprocess.run(wrong_key, capture_output=True, text=True)
+        assert wrong.returncode == 2 and "--api-key: the server" in wrong.stderr and "refused the key" in wrong.stderr
+        # the key from the environment, as the server takes it; the lengths line says the lengths
+        keyed = subprocess.run(
+            [*cmd, "--no-progress", "--out", str(tmp_path / "c")],
+            capture_output=True, text=True, env={**env, "KVWARDEN_API_KEY": "s3cret"},
+        )  # fmt: skip
+        assert keyed.returncode == 0, keyed.stdout[-2000:] + keyed.stderr[-2000:]
+        assert re.search(r"prompt lengths in tokens .*: A \d+, B \d+, shared \d+", keyed.stdout), keyed.stdout

@@ -14,6 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "predict",
         help="simulate a scheduling rule + prefix cache and predict unstable / history-dependent pairs",
         description="Request A once, then request B repeated; A and B share their first SHARED tokens.",
+        epilog="exit status: 0 every pair predicted stable, 1 some pair predicted UNSTABLE (as kvwarden probe's "
+        "1 for an unstable arm), 2 bad flags",
     )
     p.add_argument(
         "--rule",
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             "`kvwarden probe` reads the one a server really uses) and step budget "
             f"{args.max_num_batched_tokens or 'unlimited'}"
         )
+    unstable = False
     for a_len, b_len, shared in pairs:
         pred = predict_pair(
             args.rule,
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             hybrid=not args.dense,
         )
         out = pred.to_dict()
+        unstable = unstable or not pred.repeats_stable
         if args.search:
             flips = _search(args, b_len, shared)
             out["search"] = [
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{'stable' if flip['repeats_stable'] else 'UNSTABLE'}, "
                 f"{'history-dependent' if flip['history_dependent'] else 'history-independent'}"
             )
-    return 0
+    return 1 if unstable else 0
 
 
 def _search(args: argparse.Namespace, b_len: int, shared: int) -> list[tuple[int, int, bool, bool]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvwarden.console import wide_console
 from kvwarden.probe.builtin import BUILTINS
 from kvwarden.probe.invoices import SUITES
 from kvwarden.probe.launchers import LAUNCHERS
+from kvwarden.probe.reachable import check_reachable
 
 if TYPE_CHECKING:
     from kvwarden.probe.runner import Target
@@ -56,7 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model for the launcher (dir, .gguf, builtin:...)")
     p.add_argument("--command", help="command template for --launcher custom/sglang, with {model} and {port}")
     p.add_argument("--served-model-name", help="model name for requests (default: the server's first model)")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVWARDEN_API_KEY") or None,
+        help="sent as 'Authorization: Bearer KEY' (default: the KVWARDEN_API_KEY environment variable; a key on "
+        "the command line is visible to other users in ps)",
+    )
     p.add_argument("--tokenizer", help="'auto' (default: the model's, when local), a model, or 'none' (text)")
     p.add_argument("--out", type=Path, help="run directory (an existing one resumes); default runs/probe-...")
     p.add_argument("--repeats", type=int, help="runs of the measured request per arm (default 5; --suite: 3 per task)")
@@ -179,6 +186,15 @@ def run(args: argparse.Namespace) -> int:
 
         return run_suite_command(args, settings, _target(args, model, None), model)
     _scenario_defaults(args)
+    if args.scenario not in BUILTINS and not Path(args.scenario).suffix and not Path(args.scenario).exists():
+        near = difflib.get_close_matches(args.scenario, BUILTINS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(
+            f"--scenario: {args.scenario!r} is neither a built-in scenario ({', '.join(BUILTINS)}) nor a "
+            f".yaml/.toml file{hint}"
+        )
+    if args.url:
+        check_reachable(args.url, args.api_key)  # the flags are checked: now the server, before a run directory
     tokenizer = _tokenizer(args.tokenizer, model)
     lengths = "tokens (the model's tokenizer)"
     if tokenizer is None and args.url and args.tokenizer != "none":
@@ -206,13 +222,6 @@ def run(args: argparse.Namespace) -> int:
             tuple(args.budgets),
             ignore_eos=args.ignore_eos,
         )
-    elif not Path(args.scenario).suffix and not Path(args.scenario).exists():
-        near = difflib.get_close_matches(args.scenario, BUILTINS, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(
-            f"--scenario: {args.scenario!r} is neither a built-in scenario ({', '.join(BUILTINS)}) nor a "
-            f".yaml/.toml file{hint}"
-        )
     else:
         scenario = load_scenario(args.scenario, settings)
     target = _target(args, model, tokenizer)
@@ -222,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     arms = f"{len(scenario.arms)} arm{'s' if len(scenario.arms) != 1 else ''}"
     console.print(f"kvwarden probe: scenario {scenario.name}, {arms} -> {out}")
     if args.scenario in BUILTINS:
-        console.print(f"  prompt lengths in {lengths}")
+        console.print(f"  prompt lengths in {lengths}: A {args.a_len}, B {args.b_len}, shared {args.shared}")
     records = run_probe(scenario, target, out, show_progress=not args.no_progress)
     title = f"probe {scenario.name} ({args.launcher or args.url})"
     result = finish_run(out, scenario, records, title, args.launcher, model)

@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
+
 from kvwarden.console import wide_console
 from kvwarden.probe.invoices import SUITES
+from kvwarden.probe.reachable import check_reachable
 
 if TYPE_CHECKING:
     from kvwarden.probe.launchers import ServerSettings
@@ -47,6 +50,7 @@ def run_suite_command(args: argparse.Namespace, settings: ServerSettings, target
         print_suite_table,
         suite_context,
         suite_exit_status,
+        suite_verdict,
         summarize_suite,
         write_suite_report,
     )
@@ -64,6 +68,8 @@ def run_suite_command(args: argparse.Namespace, settings: ServerSettings, target
         max_tokens=48 if args.max_tokens is None else args.max_tokens,
         constraint=style,
     )
+    if args.url:
+        check_reachable(args.url, args.api_key)  # the flags are checked: now the server, before a run directory
     out = args.out or Path("runs") / f"suite-{suite.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     console = wide_console(stderr=args.json)
@@ -80,6 +86,8 @@ def run_suite_command(args: argparse.Namespace, settings: ServerSettings, target
     summary = {"run_dir": str(out), "suite": suite.name, "arms": [s.to_dict() for s in summaries]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     print_suite_table(title, summaries, console)
+    _, verdict = suite_verdict(summaries)
+    console.print(f"  verdict: {escape(verdict)}")
     if args.json:
         brief = {**summary, "arms": [{k: v for k, v in a.items() if k != "per_task"} for a in summary["arms"]]}
         print(json.dumps(brief, ensure_ascii=False))
