@@ -141,3 +141,50 @@ def test_predict_takes_the_engines_spelling_of_the_draft_count() -> None:
         for flag in ("--num-speculative-tokens", "--num-spec-tokens")
     )
     assert new == old and json.loads(new.splitlines()[0])
+
+
+def test_what_a_body_gets_wrong_is_named_in_openais_format(server: Server, client: openai.OpenAI) -> None:
+    """#63 item 13: a body without a JSON content type, invalid UTF-8, image parts, field paths, a prompt the
+    engine alone can measure - each a 4xx in OpenAI's format naming what to change; the server stays up."""
+    chat = f"{server.url}/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    form = httpx.post(chat, content=json.dumps(body), headers={"content-type": "text/plain"}, timeout=60)
+    assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in form.json()["error"]["message"]
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    bad_utf8 = httpx.post(chat, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert bad_utf8.status_code == 400 and bad_utf8.json()["error"]["code"] == "invalid_json", bad_utf8.text
+    with pytest.raises(openai.BadRequestError) as image:
+        client.chat.completions.create(
+            model="m", max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        )  # fmt: skip
+    err = image.value.body
+    assert err["param"] == "messages[0].content[0].type" and err["code"] == "unsupported_content", err
+    assert "'image_url' are not supported" in err["message"]
+    # pydantic's paths in the spelling of kvwarden's own refusals: messages[0].role, never messages.0.role
+    missing = _post(server, "/v1/chat/completions", {"model": "m", "messages": [{"rol": "user", "content": "x"}]})
+    assert _error(missing, 422, "messages[0].role").startswith("messages[0].role: Field required")
+    # a text prompt over max_model_len (256): only the engine's tokenizer measures it, in the engine's words
+    long = _post(server, "/v1/completions", {"model": "m", "prompt": "word " * 400, "max_tokens": 1})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", long.text
+    assert "maximum context length is 256 tokens" in long.json()["error"]["message"]
+    assert client.chat.completions.create(**body).choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_model_name_or_length_the_model_cannot_have_is_refused_naming_it(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "kvwarden.cli", "serve", *args, "--port", "0"]
+        env = {**os.environ, "KVWARDEN_HOME": str(tmp_path)}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+    huge = serve("builtin:llama-huge")
+    assert huge.returncode == 2 and "--preset" not in huge.stderr, huge.stderr
+    assert "unknown preset 'huge'" in huge.stderr and "did you mean 'builtin:llama-tiny'" in huge.stderr
+    assert not list(tmp_path.glob("models/*"))  # nothing made
+    long = serve("builtin:llama-tiny", "--max-model-len", "999999")
+    assert long.returncode == 2 and "max_model_len: 999999 is more than the model supports" in long.stderr

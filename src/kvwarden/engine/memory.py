@@ -25,8 +25,14 @@ def context_limit(max_model_len: int | None, cfg: ModelConfig) -> int:
     supports, nor past its sliding window.
 
     Raises:
-        ValueError: naming ``max_model_len`` when it asks for more than a sliding window.
+        ValueError: naming ``max_model_len`` when it asks for more than the model's positions or a sliding
+            window (as vLLM refuses it: a silently shorter context would cut requests the user sized for it).
     """
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len} is more than the model supports (max_position_embeddings "
+            f"{cfg.max_position_embeddings}); leave it out to serve the model's own length"
+        )
     limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     window = cfg.sliding_window
     if window is None or limit <= window:

@@ -14,6 +14,10 @@ from kvwarden.intmath import cdiv
 Prompt = str | list[int]
 
 
+class ContextLengthError(ValueError):
+    """A prompt with no room left to generate within ``max_model_len`` (the server's context_length_exceeded)."""
+
+
 def prompt_ids(
     prompt: Prompt, tokenizer: Any, vocab: int, max_model_len: int, block_size: int, num_blocks: int
 ) -> list[int]:
@@ -40,7 +44,10 @@ def prompt_ids(
     if bad:
         raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
     if len(ids) >= max_model_len:
-        raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate (max_model_len is {max_model_len})")
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {len(ids)}, which "
+            "leaves no room to generate"
+        )
     blocks = cdiv(len(ids) + 1, block_size)  # + 1: the first generated token's slot
     if blocks > num_blocks:
         raise ValueError(f"prompt: needs {blocks} KV blocks but the cache has {num_blocks}")

@@ -50,6 +50,7 @@ def resolve_model(name: str | Path, cache_dir: Path | None = None) -> Path:
         if not (root / "model.safetensors").is_file():
             from kvwarden.models.make_model import make_model  # torch: only when a model must be made
 
+            _check_builtin(text, match["arch"], match["preset"])
             make_model(match["arch"], match["preset"], seed, root)
         return root
     path = Path(text)
@@ -58,3 +59,20 @@ def resolve_model(name: str | Path, cache_dir: Path | None = None) -> Path:
     raise FileNotFoundError(
         f"model {text!r}: not a model directory, a .gguf file, 'smollm2' or 'builtin:<arch>-<preset>'"
     )
+
+
+def _check_builtin(name: str, arch: str, preset: str) -> None:
+    """The model name's own words for an unknown architecture or preset (the user typed a model, not
+    ``--arch`` / ``--preset``), with the nearest built-in name."""
+    import difflib
+
+    from kvwarden.models.make_model import ARCHS, PRESETS
+
+    if arch in ARCHS and preset in PRESETS:
+        return
+    known = [f"builtin:{a}-{p}" for a in ARCHS for p in PRESETS]
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    what = f"unknown architecture {arch!r}" if arch not in ARCHS else f"unknown preset {preset!r}"
+    choices = ", ".join(ARCHS) if arch not in ARCHS else ", ".join(PRESETS)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise FileNotFoundError(f"model {name!r}: {what} (one of {choices}){hint}")

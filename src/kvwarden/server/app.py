@@ -118,21 +118,40 @@ class ApiKeyGate:
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of"}
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+def _validation_error(exc: RequestValidationError, content_type: str) -> ApiError:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
     raw = first.get("input")
+    if content_type and "json" not in content_type.lower():  # FastAPI read it as a form: say what it wanted
+        return ApiError(
+            415, f"the body must be JSON, sent with 'Content-Type: application/json' (not {content_type!r})",
+            None, "unsupported_media_type",
+        )  # fmt: skip
     if first.get("type") == "json_invalid" or (not loc and isinstance(raw, (bytes, str)) and not _is_json(raw)):
         detail = first.get("ctx", {}).get("error", "the body is not valid JSON")
         return ApiError(400, f"malformed JSON body: {detail}", None, "invalid_json")
-    param = ".".join(loc) or None
+    param = _param_path(loc) or None
     message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more)"
     if first.get("type") in _RANGE_ERRORS:
         return ApiError(400, message, param, "invalid_value")
     return ApiError(422, message, param, "invalid_type")
+
+
+def _param_path(loc: list[Any]) -> str:
+    """A field's path as OpenAI and kvwarden's own refusals spell it: ``messages[0].content``. Pydantic's
+    union branch names (``str``, ``list[ContentPart]``) are not fields and are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
 
 
 def _is_json(raw: bytes | str) -> bool:
@@ -184,11 +203,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, roles: AppExtension | N
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's own words
+            return error_response(ApiError(400, "malformed body: not UTF-8 JSON", None, "invalid_json"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(ApiError(exc.status_code, str(exc.detail), None, code))
 

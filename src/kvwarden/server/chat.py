@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.prompt_ids import ContextLengthError
 from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
@@ -64,7 +65,8 @@ class ChatCompletions:
             )
             return engine.tokenize(text)
         except ValueError as exc:
-            raise ApiError(400, str(exc), "messages", "invalid_value") from exc
+            code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+            raise ApiError(400, str(exc), "messages", code) from exc
 
     def _jobs(
         self, req: ChatCompletionRequest, ids: list[int], structured: StructuredOutputsParams | None

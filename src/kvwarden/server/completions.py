@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.prompt_ids import ContextLengthError
 from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
@@ -50,7 +51,8 @@ class Completions:
             try:
                 out.append(self.engine.engine.tokenize(p))
             except ValueError as exc:
-                raise ApiError(400, str(exc), "prompt", "invalid_value") from exc
+                code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+                raise ApiError(400, str(exc), "prompt", code) from exc
         return out
 
     def _jobs(

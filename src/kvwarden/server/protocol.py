@@ -178,6 +178,13 @@ def _refuse_nested(value: Any, path: str) -> None:
         return
     if not isinstance(value, BaseModel):
         return
+    if isinstance(value, ContentPart) and value.type != "text":
+        raise ApiError(
+            400, f"{path}.type: content parts of type {value.type!r} are not supported: kvwarden serves text "
+            "models; send text parts ({\"type\": \"text\", \"text\": ...})", f"{path}.type", "unsupported_content",
+        )  # fmt: skip
+    if isinstance(value, ContentPart) and value.text is None:
+        raise ApiError(400, f"{path}.text: a text part needs its text", f"{path}.text", "invalid_value")
     for name, extra in (value.model_extra or {}).items():
         empty = extra is None or extra == [] or extra == ""
         if isinstance(value, ChatMessage) and name in IGNORED_MESSAGE_FIELDS and empty:
@@ -250,8 +257,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Strict):
-    type: Literal["text"]
-    text: str
+    type: str  # only "text" is served; another type is refused by name (_refuse_nested), not a schema error
+    text: str | None = None
 
 
 class ChatMessage(_Strict):
@@ -266,7 +273,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from kvwarden.engine.outputs import RequestOutput
+from kvwarden.engine.prompt_ids import ContextLengthError
 from kvwarden.engine.sampling_params import SamplingParams
 from kvwarden.server.async_engine import AsyncEngine
 from kvwarden.server.engine_errors import (
@@ -46,6 +47,8 @@ def _engine_error(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), None, exc.code)
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), None, "engine_dead")
+    if isinstance(exc, ContextLengthError):  # a prompt only the engine's tokenizer could measure
+        return ApiError(400, str(exc), None, "context_length_exceeded")
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc), None, "invalid_value")
     return ApiError(500, f"engine error: {exc}", None, "internal_error")
