@@ -237,6 +237,26 @@ def test_a_client_that_goes_away_frees_everything(backends: dict[str, Server], t
             outstanding = f'kvwarden_guard:backend_outstanding_requests{{backend="{clean.url}"}}'
             wait_for("the guard to let go of the backend", lambda g=g, name=outstanding: g.metrics()[name] == 0.0)
             wait_for("the backend's KV pool to return to baseline", lambda: idle(clean))
+            # its log line names the attempt the client left, never "no attempt" (#63 item 14)
+            how = "ok, then the client left mid-stream" if hold == "0" else "the client left"
+            left = f": 499, {clean.url}: {how}"
+            wait_for("the guard's log line", lambda g=g, left=left: any(left in line for line in list(g.log)))
+            assert not [line for line in list(g.log) if ": 499, no attempt" in line]
+
+
+def test_no_backend_up_names_what_the_health_checks_saw(tmp_path: Path) -> None:
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    config = tmp_path / "guard.toml"
+    config.write_text("health_interval = 0.3\n[canary]\ninterval = 0.0\n")
+    with running_guard([dead], "--config", str(config)) as g:
+        wait_for(
+            "the health check", lambda: httpx.get(f"{g.url}/health", timeout=10).json()["backends"][0].get("last_error")
+        )
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        resp = httpx.post(f"{g.url}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 503, resp.text
+        message = resp.json()["error"]["message"]
+        assert "no attempt" not in message and f"{dead}: /health: ConnectError" in message, message
 
 
 def test_the_guard_checks_its_own_clients(backends: dict[str, Server], tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import struct
 import time
@@ -182,7 +183,9 @@ def test_client_disconnect_aborts_and_frees_blocks(server: Server) -> None:
     body = {"model": "tiny", "prompt": "long " * 40, "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
-        for i, _ in enumerate(resp.iter_lines()):
+        for i, line in enumerate(resp.iter_lines()):
+            if line.startswith("data: {"):
+                request_id = json.loads(line[6:])["id"]
             if i > 6:
                 break  # leave: the connection closes mid-generation
     deadline = time.monotonic() + 20
@@ -195,6 +198,29 @@ def test_client_disconnect_aborts_and_frees_blocks(server: Server) -> None:
     assert m['kvwarden:request_success_total{finished_reason="abort"}'] == before + 1
     assert m["kvwarden:kv_blocks_used"] == 0
     assert m["kvwarden:num_requests_running"] == 0
+    # logged as a non-streamed request the client leaves is: 499, with the tokens it had (#63 item 15)
+    line = access_line(server, request_id)
+    assert "POST /v1/completions 499" in line and "(client disconnected, after 200 was sent)" in line, line
+    assert re.search(r"prompt=\d+ output=\d+ ", line), line
+    logged = {x for x in list(server.log) if "POST /v1/completions 499" in x}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not {x for x in list(server.log) if "POST /v1/completions 499" in x} - logged:
+        time.sleep(0.1)
+    (plain,) = {x for x in list(server.log) if "POST /v1/completions 499" in x} - logged
+    assert "(client disconnected)" in plain and re.search(r"prompt=\d+ ", plain), plain
+
+
+def access_line(server: Server, request_id: str) -> str:
+    deadline = time.monotonic() + 10  # the line is written once the response's last byte is sent
+    while time.monotonic() < deadline:
+        found = [line for line in list(server.log) if request_id in line and "kvwarden.access" in line]
+        if found:
+            assert len(found) == 1, found
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no access-log line for {request_id}")
 
 
 def test_metrics_expose_cache_queue_and_latency(server: Server, client: openai.OpenAI) -> None:
@@ -257,21 +283,11 @@ def test_access_log_has_one_line_per_request_with_tokens(server: Server, client:
     resp = complete(client, f"{DOC} access log", max_tokens=5)
     chunks = list(client.completions.create(model="tiny", prompt=f"{DOC} access log", max_tokens=3, stream=True))
 
-    def line_of(request_id: str) -> str:
-        deadline = time.monotonic() + 10  # the line is written once the response's last byte is sent
-        while time.monotonic() < deadline:
-            found = [line for line in list(server.log) if request_id in line and "kvwarden.access" in line]
-            if found:
-                assert len(found) == 1, found
-                return found[0]
-            time.sleep(0.05)
-        raise AssertionError(f"no access-log line for {request_id}")
-
-    plain = line_of(resp.id)
+    plain = access_line(server, resp.id)
     assert "POST /v1/completions 200" in plain and "output=5" in plain and "latency=" in plain
     cached = resp.usage.prompt_tokens_details.cached_tokens
     assert f"prompt={resp.usage.prompt_tokens}" in plain and f"cached={cached}" in plain
-    streamed = line_of(chunks[0].id)
+    streamed = access_line(server, chunks[0].id)
     assert "POST /v1/completions 200" in streamed and "output=3" in streamed
     assert f"prompt={resp.usage.prompt_tokens}" in streamed  # the same prompt
     assert not any("GET /health" in line or "GET /metrics" in line for line in server.log)

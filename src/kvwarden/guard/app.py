@@ -161,5 +161,8 @@ async def _stream(relay: Relay) -> AsyncIterator[dict[str, Any]]:
     try:
         async for chunk in relay.events():
             yield chunk
+    except (GeneratorExit, asyncio.CancelledError):
+        relay.status = 499  # the client left mid-stream: logged as a non-streamed request it leaves is
+        raise
     finally:
         await relay.aclose()

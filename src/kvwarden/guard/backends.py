@@ -86,6 +86,11 @@ class BackendPool:
         ties = [b for b in fresh if b.outstanding == low]
         return ties[next(self._turn) % len(ties)]
 
+    def why_down(self) -> str:
+        """Why no backend is routable: each one's last known error (a health check's ConnectError, say)."""
+        reasons = [f"{b.url}: {b.last_error or 'not up yet'}" for b in self.backends if not b.routable]
+        return "; ".join(reasons) or "none is configured"
+
     def mark_failed(self, backend: Backend, why: str) -> None:
         if backend.up:
             log.warning("backend %s taken out: %s", backend.url, why)

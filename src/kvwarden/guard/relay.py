@@ -41,6 +41,7 @@ from kvwarden.guard.monitors import ChoiceWatch, Verdict, check
 from kvwarden.server.protocol import ApiError
 
 log = logging.getLogger("kvwarden.guard")
+IN_FLIGHT = "in flight"  # an attempt not finished: the client left during it
 
 
 class Passthrough(Exception):
@@ -124,36 +125,38 @@ class Relay:
             Passthrough: the backend refused the request (the client's error).
         """
         tried: set[str] = set()
-        last, code = "no attempt", "no_attempt"
+        last, code = "", "no_attempt"
         while self.num_attempts <= self.guard.config.max_retries:
             backend = self.guard.pool.pick(tried)
             if backend is None:
-                raise ApiError(503, f"no backend is up (last error: {last})", None, "no_backend_available")
+                why = last or self.guard.pool.why_down()  # this request's own last error, else the health checks'
+                raise ApiError(503, f"no backend is up ({why})", None, "no_backend_available")
             if self.num_attempts:
                 self.guard.metrics.retries.inc()
             self.num_attempts += 1
             tried.add(backend.url)
+            self.history.append(f"{backend.url}: {IN_FLIGHT}")  # what the log says if the client leaves now
             try:
                 self.attempt = await self._open(backend)
                 await self._fill(self.attempt)
-                self.history.append(f"{backend.url}: ok")
+                self.history[-1] = f"{backend.url}: ok"
                 return
             except _Stopped as stop:
                 self.guard.metrics.aborts.labels(reason=stop.verdict.reason).inc()
-                last = f"{backend.url}: {stop.verdict.reason}: {stop.verdict.detail}"
+                last = f"last error: {backend.url}: {stop.verdict.reason}: {stop.verdict.detail}"
                 code = stop.verdict.reason
-                self.history.append(f"{backend.url}: {code}")
+                self.history[-1] = f"{backend.url}: {code}"
             except _Failed as failure:
                 self.guard.metrics.failures.labels(backend=backend.url).inc()
                 if failure.take_out:
                     self.guard.pool.mark_failed(backend, str(failure))
-                last = f"{backend.url}: {failure}"
+                last = f"last error: {backend.url}: {failure}"
                 code = "backend_failed"
-                self.history.append(f"{backend.url}: failed")
+                self.history[-1] = f"{backend.url}: failed"
             await self._close()
         raise ApiError(
             502,
-            f"kvwarden guard: no acceptable answer after {self.num_attempts} attempt(s); last: {last}",
+            f"kvwarden guard: no acceptable answer after {self.num_attempts} attempt(s); {last}",
             None,
             code,
             "guard_abort",
@@ -191,7 +194,7 @@ class Relay:
                 payload = response.json()
             except ValueError:
                 payload = {"error": {"message": body.decode(errors="replace"), "type": "upstream_error"}}
-            self.history.append(f"{backend.url}: {response.status_code}, passed through")
+            self.history[-1] = f"{backend.url}: {response.status_code}, passed through"  # its in-flight entry
             raise Passthrough(response.status_code, payload)
         return _Attempt(backend, response, response.aiter_lines())
 
@@ -256,6 +259,17 @@ class Relay:
         with contextlib.suppress(httpx.HTTPError):
             await attempt.response.aclose()
 
+    def _unfinished(self) -> str:
+        """How an attempt that never reached an outcome ended: the client left, or the backend's own answer
+        (a refusal passed through) ended it."""
+        return "the client left mid-attempt" if self.status == 499 else f"ended with {self.status}"
+
+    def _log_history(self) -> str:
+        entries = [h.replace(IN_FLIGHT, self._unfinished()) for h in self.history]
+        if self.status == 499 and entries and entries[-1].endswith(": ok"):
+            entries[-1] += ", then the client left mid-stream"
+        return "; ".join(entries) or "no attempt"
+
     async def aclose(self) -> None:
         if self.closed:
             return
@@ -268,7 +282,7 @@ class Relay:
             self.path,
             "stream" if self.upstream.client_streams else "json",
             self.status,
-            "; ".join(self.history) or "no attempt",
+            self._log_history(),
             elapsed,
         )
         self.guard.metrics.latency.observe(elapsed)

@@ -5,6 +5,7 @@ turns it off). A line is written when the response's last byte has been sent
 (for a stream: after ``[DONE]``), or when the client went away first::
 
     cmpl-3f2a... POST /v1/completions 200 prompt=412 output=32 cached=384 latency=1.284s
+    cmpl-9b1c... POST /v1/completions 499 prompt=412 output=7 cached=- latency=0.311s (client disconnected, ...)
 
 Handlers fill the request's :class:`AccessRecord` (``request.state.access``)
 with the id and token counts once they know them; ``/health`` and ``/metrics``
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LOGGER = "kvwarden.access"
 _QUIET_PATHS = ("/health", "/metrics")
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status every request the client left is logged with
 
 
 @dataclass
@@ -33,8 +35,15 @@ class AccessRecord:
     output_tokens: int | None = None
     cached_tokens: int | None = None
 
+    _streamed: dict[int, int] | None = None
+
     def set_usage(self, prompt: int, output: int, cached: int) -> None:
         self.prompt_tokens, self.output_tokens, self.cached_tokens = prompt, output, cached
+
+    def count_output(self, choice: int, tokens: int) -> None:
+        """A stream's tokens so far (per choice): a stream the client leaves is logged with what it got."""
+        self._streamed = {**(self._streamed or {}), choice: tokens}
+        self.output_tokens = sum(self._streamed.values())
 
 
 def access_record(request: Any) -> AccessRecord:
@@ -73,13 +82,16 @@ class AccessLog:
         try:
             await self.app(scope, receive, logging_send)
         finally:
-            if not logged:
-                self._log(scope, record, status, start, " (client disconnected)")
+            if not logged:  # a stream the client left: 499 as for a non-streamed request it left
+                sent = f", after {status[0]} was sent" if status else ""
+                self._log(scope, record, [CLIENT_CLOSED], start, f" (client disconnected{sent})")
 
     def _log(self, scope: Scope, record: AccessRecord, status: list[int], start: float, note: str) -> None:
         def count(value: int | None) -> str:
             return "-" if value is None else str(value)
 
+        if status and status[0] == CLIENT_CLOSED and not note:
+            note = " (client disconnected)"
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "-"
         self.logger.info(

@@ -104,6 +104,7 @@ class ChatCompletions:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         record = access_record(request)
         record.request_id = rid
+        record.prompt_tokens = len(ids)  # known now: an aborted request's line says it too
         token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
         if req.stream:
             chunks = self._stream(req, jobs, rid, token_text, len(ids), record, tools)
@@ -172,6 +173,7 @@ class ChatCompletions:
         events = choice_deltas(self.engine, jobs, rid)
         async with contextlib.aclosing(events):
             async for index, text, new, out in events:
+                record.count_output(index, len(out.token_ids))
                 logprobs = None
                 if req.logprobs and out.logprobs is not None:
                     logprobs = chat_logprobs(

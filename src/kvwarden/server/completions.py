@@ -83,6 +83,7 @@ class Completions:
         rid = f"cmpl-{uuid.uuid4().hex}"
         record = access_record(request)
         record.request_id = rid
+        record.prompt_tokens = sum(len(p) for p in prompts)  # known now: an aborted request's line says it too
         token_text = TokenText(self.engine.engine.tokenizer, req.return_tokens_as_token_ids)
         if req.stream:
             chunks = self._stream(req, jobs, rid, token_text, prompts, record)
@@ -141,6 +142,7 @@ class Completions:
         events = choice_deltas(self.engine, jobs, rid)
         async with contextlib.aclosing(events):
             async for index, text, new, out in events:
+                record.count_output(index, len(out.token_ids))
                 logprobs = None
                 if req.logprobs is not None and out.logprobs is not None:
                     logprobs = completion_logprobs(
