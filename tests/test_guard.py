@@ -172,14 +172,22 @@ def test_when_every_attempt_fails_the_client_gets_an_openai_error(backends: dict
                 ask(g.url, mode, prompts(1)[0])
             assert err.value.status_code == 502
             body = err.value.response.json()["error"]
-            assert body["code"] == "repetition" and "2 attempt(s)" in body["message"], body
+            # greedy on the one backend: a retry there would give the same answer, so it fails once (#63 item 8)
+            assert body["code"] == "repetition" and "1 attempt(s)" in body["message"], body
+            assert "not retried on a backend already tried: a deterministic request" in body["message"], body
         m = g.metrics()
-        assert m["kvwarden_guard:retries_total"] == 2
-        assert m['kvwarden_guard:answers_total{outcome="error"}'] == 2
+        assert m["kvwarden_guard:retries_total"] == 0 and m["kvwarden_guard:retries_skipped_total"] == 2
+        # sampled without a seed, another attempt may answer otherwise: retried on the same backend
+        sampled = {"model": "tiny", "prompt": prompts(1)[0], "max_tokens": MAX_TOKENS, "temperature": 0.9}
+        resp = httpx.post(f"{g.url}/v1/completions", json={**sampled, "ignore_eos": True}, timeout=120)
+        assert resp.status_code == 502 and "2 attempt(s)" in resp.json()["error"]["message"], resp.text  # loops
+        m = g.metrics()
+        assert m["kvwarden_guard:retries_total"] == 1 and m["kvwarden_guard:retries_skipped_total"] == 2
+        assert m['kvwarden_guard:answers_total{outcome="error"}'] == 3
         # Bad input is the client's error: passed through as the backend gave it, not retried.
         resp = httpx.post(f"{g.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
-        assert g.metrics()["kvwarden_guard:retries_total"] == 2
+        assert g.metrics()["kvwarden_guard:retries_total"] == 1
         resp = httpx.post(f"{g.url}/v1/completions", content=b"{not json")
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
     wait_for("the looping backend's KV pool to return to baseline", lambda: idle(loop))

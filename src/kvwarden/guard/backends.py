@@ -76,10 +76,11 @@ class BackendPool:
         self.backends = [Backend(url.rstrip("/")) for url in urls]
         self._turn = itertools.count()
 
-    def pick(self, tried: set[str]) -> Backend | None:
-        """The routable backend with the fewest outstanding requests, preferring ones not ``tried`` yet."""
+    def pick(self, tried: set[str], again: bool = True) -> Backend | None:
+        """The routable backend with the fewest outstanding requests, preferring ones not ``tried`` yet
+        (``again=False``: only those)."""
         live = [b for b in self.backends if b.routable]
-        fresh = [b for b in live if b.url not in tried] or live
+        fresh = [b for b in live if b.url not in tried] or (live if again else [])
         if not fresh:
             return None
         low = min(b.outstanding for b in fresh)

@@ -50,6 +50,12 @@ class GuardMetrics:
             "kvwarden_guard:aborts", "Generations stopped by a monitor", ["reason"], registry=self.registry
         )
         self.retries = Counter("kvwarden_guard:retries", "Attempts after the first", registry=self.registry)
+        self.retries_skipped = Counter(
+            "kvwarden_guard:retries_skipped",
+            "Retries not made: a deterministic request (temperature 0 or a seed) would get the same answer from a "
+            "backend it already tried",
+            registry=self.registry,
+        )
         self.failures = Counter(
             "kvwarden_guard:backend_failures", "Attempts lost to a failing backend", ["backend"], registry=self.registry
         )

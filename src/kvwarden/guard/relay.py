@@ -126,8 +126,19 @@ class Relay:
         """
         tried: set[str] = set()
         last, code = "", "no_attempt"
+        # NOTE: a deterministic request (greedy, or seeded) whose answer a monitor stopped gets the same answer
+        # from a backend it already tried (an invariant one, kvwarden's, by contract): retrying there only
+        # repeats it. A failed or busy backend may answer next time: that retry stays.
+        same_answer = False
         while self.num_attempts <= self.guard.config.max_retries:
-            backend = self.guard.pool.pick(tried)
+            backend = self.guard.pool.pick(tried, again=not same_answer)
+            if backend is None and same_answer and self.guard.pool.pick(tried) is not None:
+                self.guard.metrics.retries_skipped.inc()
+                last += (
+                    "; not retried on a backend already tried: a deterministic request (temperature 0 or a seed) "
+                    "gets the same answer there"
+                )
+                break
             if backend is None:
                 why = last or self.guard.pool.why_down()  # this request's own last error, else the health checks'
                 raise ApiError(503, f"no backend is up ({why})", None, "no_backend_available")
@@ -146,6 +157,7 @@ class Relay:
                 last = f"last error: {backend.url}: {stop.verdict.reason}: {stop.verdict.detail}"
                 code = stop.verdict.reason
                 self.history[-1] = f"{backend.url}: {code}"
+                same_answer = deterministic(self.upstream.body)
             except _Failed as failure:
                 self.guard.metrics.failures.labels(backend=backend.url).inc()
                 if failure.take_out:
@@ -153,6 +165,7 @@ class Relay:
                 last = f"last error: {backend.url}: {failure}"
                 code = "backend_failed"
                 self.history[-1] = f"{backend.url}: failed"
+                same_answer = False
             await self._close()
         raise ApiError(
             502,
@@ -343,3 +356,9 @@ class Relay:
                 self.history.append(f"{attempt.backend.url}: {verdict.reason} after the window")
                 yield error_event(message, verdict.reason)
                 return
+
+
+def deterministic(body: dict[str, Any]) -> bool:
+    """Whether a backend that answers as a function of the request (kvwarden) answers this one the same way
+    every time: greedy (``temperature`` 0), or sampled from a ``seed``."""
+    return body.get("temperature") == 0 or body.get("seed") is not None
