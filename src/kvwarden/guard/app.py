@@ -21,11 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from kvwarden.guard.attempt import Guard, Passthrough
 from kvwarden.guard.backends import BackendPool
 from kvwarden.guard.config import GuardConfig
 from kvwarden.guard.metrics import GuardMetrics
 from kvwarden.guard.monitors import REASONS
-from kvwarden.guard.relay import Guard, Passthrough, Relay
+from kvwarden.guard.relay import Relay
 from kvwarden.server.protocol import ApiError, api_key_error, error_response, unknown_field, unrecognized
 from kvwarden.server.sse import EventStream, until_disconnected
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from kvwarden.guard.attempt import Guard
 from kvwarden.guard.backends import Backend
-from kvwarden.guard.relay import Guard
 from kvwarden.probe.builtin import Shape, prompts
 from kvwarden.probe.client import TopList, parse_logprobs
 from kvwarden.probe.fingerprint import fingerprint

@@ -15,16 +15,15 @@ they come; a monitor firing then ends the stream with ``finish_reason:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from kvwarden.guard.backends import Backend, BackendPool
+from kvwarden.guard.attempt import Attempt, AttemptFailed, AttemptStopped, Guard, Passthrough
+from kvwarden.guard.backends import Backend
 from kvwarden.guard.chunks import (
     Kind,
     Upstream,
@@ -35,65 +34,11 @@ from kvwarden.guard.chunks import (
     prepare,
     sse_events,
 )
-from kvwarden.guard.config import GuardConfig
-from kvwarden.guard.metrics import GuardMetrics
-from kvwarden.guard.monitors import ChoiceWatch, Verdict, check
+from kvwarden.guard.monitors import Verdict, check
 from kvwarden.server.protocol import ApiError
 
 log = logging.getLogger("kvwarden.guard")
 IN_FLIGHT = "in flight"  # an attempt not finished: the client left during it
-
-
-class Passthrough(Exception):
-    """The backend refused the request itself (4xx): the client gets that answer unchanged."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status = status
-        self.body = body
-
-
-class _Failed(Exception):
-    """The backend failed this attempt (connection, 5xx, silence, an error event)."""
-
-    def __init__(self, why: str, take_out: bool = True) -> None:
-        super().__init__(why)
-        self.take_out = take_out
-
-
-class _Stopped(Exception):
-    def __init__(self, verdict: Verdict) -> None:
-        super().__init__(verdict.detail)
-        self.verdict = verdict
-
-
-@dataclass
-class Guard:
-    """What every request shares: configuration, the pooled HTTP client, backends, metrics."""
-
-    config: GuardConfig
-    client: httpx.AsyncClient
-    pool: BackendPool
-    metrics: GuardMetrics
-    prefill_turn: Iterator[int] = field(default_factory=itertools.count)  # round robin over config.prefill
-
-    def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The body an attempt sends: in disaggregated mode it names the prefill instance (round robin)."""
-        if not self.config.prefill:
-            return body
-        url = self.config.prefill[next(self.prefill_turn) % len(self.config.prefill)]
-        return {**body, "kv_transfer_params": {"prefill_url": url}}
-
-
-@dataclass
-class _Attempt:
-    backend: Backend
-    response: httpx.Response
-    lines: AsyncIterator[str]
-    watches: dict[int, ChoiceWatch] = field(default_factory=dict)
-    held: list[dict[str, Any]] = field(default_factory=list)
-    done: bool = False
-    closed: bool = False
 
 
 class Relay:
@@ -109,7 +54,7 @@ class Relay:
         self.upstream: Upstream = prepare(body, kind, want_logprobs=cfg.garbage.enabled or cfg.repetition.enabled)
         n = body.get("n", 1)
         self.num_choices = n if isinstance(n, int) and n > 0 else 1
-        self.attempt: _Attempt | None = None
+        self.attempt: Attempt | None = None
         self.closed = False
         self.num_attempts = 0
         self.started = time.perf_counter()
@@ -152,13 +97,13 @@ class Relay:
                 await self._fill(self.attempt)
                 self.history[-1] = f"{backend.url}: ok"
                 return
-            except _Stopped as stop:
+            except AttemptStopped as stop:
                 self.guard.metrics.aborts.labels(reason=stop.verdict.reason).inc()
                 last = f"last error: {backend.url}: {stop.verdict.reason}: {stop.verdict.detail}"
                 code = stop.verdict.reason
                 self.history[-1] = f"{backend.url}: {code}"
                 same_answer = deterministic(self.upstream.body)
-            except _Failed as failure:
+            except AttemptFailed as failure:
                 self.guard.metrics.failures.labels(backend=backend.url).inc()
                 if failure.take_out:
                     self.guard.pool.mark_failed(backend, str(failure))
@@ -175,7 +120,7 @@ class Relay:
             "guard_abort",
         )
 
-    async def _open(self, backend: Backend) -> _Attempt:
+    async def _open(self, backend: Backend) -> Attempt:
         cfg = self.guard.config
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         request = self.guard.client.build_request(
@@ -189,7 +134,7 @@ class Relay:
         except BaseException as exc:  # a cancelled client too: the count must not leak
             backend.outstanding -= 1
             if isinstance(exc, httpx.HTTPError):
-                raise _Failed(f"{type(exc).__name__}: {exc}") from exc
+                raise AttemptFailed(f"{type(exc).__name__}: {exc}") from exc
             raise
         finally:
             self.upstream_wait += time.perf_counter() - t0
@@ -200,18 +145,18 @@ class Relay:
                 await response.aclose()
                 backend.outstanding -= 1
             if response.status_code in (429, 503):  # busy, not broken: try elsewhere, keep it in
-                raise _Failed(f"busy (HTTP {response.status_code})", take_out=False)
+                raise AttemptFailed(f"busy (HTTP {response.status_code})", take_out=False)
             if response.status_code >= 500:
-                raise _Failed(f"HTTP {response.status_code}: {body[:200]!r}")
+                raise AttemptFailed(f"HTTP {response.status_code}: {body[:200]!r}")
             try:
                 payload = response.json()
             except ValueError:
                 payload = {"error": {"message": body.decode(errors="replace"), "type": "upstream_error"}}
             self.history[-1] = f"{backend.url}: {response.status_code}, passed through"  # its in-flight entry
             raise Passthrough(response.status_code, payload)
-        return _Attempt(backend, response, response.aiter_lines())
+        return Attempt(backend, response, response.aiter_lines())
 
-    async def _next(self, attempt: _Attempt) -> dict[str, Any] | None:
+    async def _next(self, attempt: Attempt) -> dict[str, Any] | None:
         """The next chunk, or ``None`` at the end of the stream."""
         t0 = time.perf_counter()
         try:
@@ -226,18 +171,18 @@ class Relay:
                 if isinstance(event, dict):
                     return event
         except httpx.HTTPError as exc:
-            raise _Failed(f"stream broke: {type(exc).__name__}: {exc}") from exc
+            raise AttemptFailed(f"stream broke: {type(exc).__name__}: {exc}") from exc
         finally:
             self.upstream_wait += time.perf_counter() - t0
 
-    def _verdict(self, attempt: _Attempt) -> Verdict | None:
+    def _verdict(self, attempt: Attempt) -> Verdict | None:
         for index in sorted(attempt.watches):
             verdict = check(attempt.watches[index], self.guard.config.monitors)
             if verdict is not None:
                 return verdict
         return None
 
-    def _window_passed(self, attempt: _Attempt) -> bool:
+    def _window_passed(self, attempt: Attempt) -> bool:
         if not self.upstream.client_streams:
             return False  # the client waits for the whole answer: the window is all of it
         # NOTE: released on the token *after* the window, the first one the monitors' "more than N" rules judge.
@@ -245,7 +190,7 @@ class Relay:
         watches = attempt.watches.values()
         return len(attempt.watches) >= self.num_choices and all(w.finished or w.num_tokens > hold for w in watches)
 
-    async def _fill(self, attempt: _Attempt) -> None:
+    async def _fill(self, attempt: Attempt) -> None:
         """Read and hold chunks until the window passes or the stream ends; monitors run on each."""
         while True:
             chunk = await self._next(attempt)
@@ -253,12 +198,12 @@ class Relay:
                 attempt.done = True
                 return
             if "error" in chunk:
-                raise _Failed(f"error event: {str(chunk['error'])[:200]}")
+                raise AttemptFailed(f"error event: {str(chunk['error'])[:200]}")
             observe(chunk, attempt.watches, self.kind)
             attempt.held.append(chunk)
             verdict = self._verdict(attempt)
             if verdict is not None:
-                raise _Stopped(verdict)
+                raise AttemptStopped(verdict)
             if self._window_passed(attempt):
                 return
 
@@ -326,7 +271,7 @@ class Relay:
         while not attempt.done:
             try:
                 chunk = await self._next(attempt)
-            except _Failed as failure:
+            except AttemptFailed as failure:
                 self.guard.metrics.failures.labels(backend=attempt.backend.url).inc()
                 self.guard.pool.mark_failed(attempt.backend, str(failure))
                 self.history.append(f"{attempt.backend.url}: failed after the window")
