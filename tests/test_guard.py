@@ -167,14 +167,16 @@ def test_an_abort_after_the_window_ends_the_stream_with_an_error(backends: dict[
 def test_when_every_attempt_fails_the_client_gets_an_openai_error(backends: dict[str, Server]) -> None:
     loop = backends["loop"]
     with running_guard([loop.url], "--max-retries", "1", "--canary-interval", "0") as g:
+        health = f"{g.url}/health"  # the backend said it is invariant (canonical numerics) on its /health
+        wait_for("the first health check", lambda: httpx.get(health, timeout=10).json()["backends"][0]["invariant"])
         for mode in ("completions", "chat-stream"):  # a stream that never passed its window is a plain error too
             with pytest.raises(openai.APIStatusError) as err:
                 ask(g.url, mode, prompts(1)[0])
             assert err.value.status_code == 502
             body = err.value.response.json()["error"]
-            # greedy on the one backend: a retry there would give the same answer, so it fails once (#63 item 8)
+            # greedy on the one invariant backend: a retry there gives the same answer, so it fails once (#63 item 8)
             assert body["code"] == "repetition" and "1 attempt(s)" in body["message"], body
-            assert "not retried on a backend already tried: a deterministic request" in body["message"], body
+            assert "not retried on an invariant backend already tried" in body["message"], body
         m = g.metrics()
         assert m["kvwarden_guard:retries_total"] == 0 and m["kvwarden_guard:retries_skipped_total"] == 2
         # sampled without a seed, another attempt may answer otherwise: retried on the same backend

@@ -50,7 +50,7 @@ def complete(
 
 def test_models_health_and_basic_completion(server: Server, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "invariant": True}
     resp = complete(client, "Hello there, engineers")
     choice = resp.choices[0]
     assert choice.finish_reason == "length"

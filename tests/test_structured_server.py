@@ -209,4 +209,4 @@ def test_bad_constraints_are_400s_naming_the_field_and_lose_nothing(server: Serv
     ok = complete(client, "Hello", {"guided_choice": ["yes", "no"]})
     assert ok.choices[0].text in ("yes", "no")
     assert server.metrics()["kvwarden:kv_blocks_free"] == baseline
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "invariant": True}

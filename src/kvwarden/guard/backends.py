@@ -49,6 +49,12 @@ class Backend:
     def routable(self) -> bool:
         return self.up and not self.drained
 
+    @property
+    def invariant(self) -> bool:
+        """Its ``/health`` says every answer is a function of the request alone (kvwarden, canonical numerics):
+        a deterministic request gets the same answer from it every time."""
+        return self.health.get("invariant") is True
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "url": self.url,
@@ -56,6 +62,7 @@ class Backend:
             "outstanding": self.outstanding,
             "drifting": self.drifting,
             "drained": self.drained,
+            "invariant": self.invariant,
             "canary": {
                 "runs": self.canary_runs,
                 "changes": self.canary_changes,
@@ -76,11 +83,11 @@ class BackendPool:
         self.backends = [Backend(url.rstrip("/")) for url in urls]
         self._turn = itertools.count()
 
-    def pick(self, tried: set[str], again: bool = True) -> Backend | None:
-        """The routable backend with the fewest outstanding requests, preferring ones not ``tried`` yet
-        (``again=False``: only those)."""
-        live = [b for b in self.backends if b.routable]
-        fresh = [b for b in live if b.url not in tried] or (live if again else [])
+    def pick(self, tried: set[str], settled: frozenset[str] = frozenset()) -> Backend | None:
+        """The routable backend with the fewest outstanding requests, preferring ones not ``tried`` yet, never
+        one in ``settled`` (an invariant backend whose answer to this request is already known)."""
+        live = [b for b in self.backends if b.routable and b.url not in settled]
+        fresh = [b for b in live if b.url not in tried] or live
         if not fresh:
             return None
         low = min(b.outstanding for b in fresh)

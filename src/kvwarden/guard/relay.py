@@ -71,17 +71,17 @@ class Relay:
         """
         tried: set[str] = set()
         last, code = "", "no_attempt"
-        # NOTE: a deterministic request (greedy, or seeded) whose answer a monitor stopped gets the same answer
-        # from a backend it already tried (an invariant one, kvwarden's, by contract): retrying there only
-        # repeats it. A failed or busy backend may answer next time: that retry stays.
-        same_answer = False
+        # NOTE: a deterministic request (greedy, or seeded) whose answer a monitor stopped on an invariant
+        # backend (its /health says so: kvwarden, canonical numerics) gets the same answer there again:
+        # retrying there only repeats it. Other backends, and failed or busy ones, are still retried.
+        settled: set[str] = set()
         while self.num_attempts <= self.guard.config.max_retries:
-            backend = self.guard.pool.pick(tried, again=not same_answer)
-            if backend is None and same_answer and self.guard.pool.pick(tried) is not None:
+            backend = self.guard.pool.pick(tried, frozenset(settled))
+            if backend is None and settled and self.guard.pool.pick(tried) is not None:
                 self.guard.metrics.retries_skipped.inc()
                 last += (
-                    "; not retried on a backend already tried: a deterministic request (temperature 0 or a seed) "
-                    "gets the same answer there"
+                    "; not retried on an invariant backend already tried: a deterministic request (temperature 0 "
+                    "or a seed) gets the same answer there"
                 )
                 break
             if backend is None:
@@ -102,7 +102,8 @@ class Relay:
                 last = f"last error: {backend.url}: {stop.verdict.reason}: {stop.verdict.detail}"
                 code = stop.verdict.reason
                 self.history[-1] = f"{backend.url}: {code}"
-                same_answer = deterministic(self.upstream.body)
+                if backend.invariant and deterministic(self.upstream.body):
+                    settled.add(backend.url)
             except AttemptFailed as failure:
                 self.guard.metrics.failures.labels(backend=backend.url).inc()
                 if failure.take_out:
@@ -110,7 +111,6 @@ class Relay:
                 last = f"last error: {backend.url}: {failure}"
                 code = "backend_failed"
                 self.history[-1] = f"{backend.url}: failed"
-                same_answer = False
             await self._close()
         raise ApiError(
             502,

@@ -231,7 +231,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, roles: AppExtension | N
         if not engine.alive:
             cause = f"{type(engine.error).__name__}: {engine.error}" if engine.error else "not running"
             return error_response(ApiError(503, f"the engine is down: {cause}", None, "engine_dead"))
-        body: dict[str, Any] = {"status": "ok"}
+        # invariant: every answer a function of the request alone (canonical numerics), so the guard knows a
+        # deterministic request retried here gets the same answer (docs/guard.md)
+        invariant = engine.engine.config.numerics.mode == "canonical"
+        body: dict[str, Any] = {"status": "ok", "invariant": invariant}
         if engine.faults.any:
             body["injected_faults"] = engine.faults.describe()  # testing only: never a healthy production server
             injector = engine.engine.faults
