@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
@@ -129,8 +130,6 @@ def run_recorded(name: str, argv: list[str], path: Path, call: Callable[[], int]
 
 
 def call_with_stdout(call: Callable[[], int], out: Any) -> int:
-    import sys
-
     saved = sys.stdout
     sys.stdout = out
     try:

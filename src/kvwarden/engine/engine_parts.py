@@ -4,7 +4,7 @@ pool beside it), the model runner with its parallel ranks, and the host-memory t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvwarden.cache.block_pool import BlockPool
@@ -63,8 +63,8 @@ def build_cache(config: EngineConfig, device: str, ops: Ops, loaded: LoadedModel
         return EngineCache(num_blocks, pool, kv, None)
     states = make_states(config, ops, specs, num_blocks)
     journal = StateJournal(states) if config.parallel.tensor_parallel else None
-    parts = EngineCache(num_blocks, pool, kv, states, journal)
-    return replace(parts, kv=HybridCacheManager(kv, parts.managed_states))
+    hybrid = HybridCacheManager(kv, journal or states)  # type: ignore[arg-type]  # the journal passes reads through
+    return EngineCache(num_blocks, pool, hybrid, states, journal)
 
 
 def make_states(config: EngineConfig, ops: Ops, specs: list[RecurrentLayerSpec], num_blocks: int) -> StatePool:

@@ -77,7 +77,7 @@ class Relay:
         settled: set[str] = set()
         while self.num_attempts <= self.guard.config.max_retries:
             backend = self.guard.pool.pick(tried, frozenset(settled))
-            if backend is None and settled and self.guard.pool.pick(tried) is not None:
+            if backend is None and settled and any(b.routable for b in self.guard.pool.backends):
                 self.guard.metrics.retries_skipped.inc()
                 last += (
                     "; not retried on an invariant backend already tried: a deterministic request (temperature 0 "

@@ -82,8 +82,4 @@ class AttentionBlock:
         batch.trace(f"{self.name}.core", o)
         if gate is not None:
             o = o * ops.sigmoid(gate)
-        if not self.shard.active:
-            return ops.linear(o, self.wo, self.bo)
-        # NOTE(invariance): gathered, never summed across ranks (models/tensor_shard.py)
-        o = self.shard.gather(o, o.shape[1] * self.shard.world)
-        return self.shard.gather(ops.linear(o, self.wo, self.bo), self.wo.shape[0] * self.shard.world)
+        return self.shard.output_linear(ops, o, self.wo, self.bo)

@@ -163,10 +163,7 @@ class MlaBlock:
         o_latent = o_latent.to(x.dtype)
         o = ops.linear_heads(o_latent, self.w_uv).reshape(rows, -1)
         batch.trace(f"{self.name}.core", o)
-        if not self.shard.active:
-            return ops.linear(o, self.wo)
-        o = self.shard.gather(o, o.shape[1] * self.shard.world)  # NOTE(invariance): gathered, never summed
-        return self.shard.gather(ops.linear(o, self.wo), self.wo.shape[0] * self.shard.world)
+        return self.shard.output_linear(ops, o, self.wo)
 
     def _rope_rows(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[rows, rope / 2]`` of the step's positions in the model's dtype, gathered once a

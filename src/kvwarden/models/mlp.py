@@ -31,12 +31,8 @@ class MLP:
         self.w_down, self.b_down = require(get, f"{prefix}.down_proj.weight"), b("down_proj")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        ops, shard = self.ops, self.shard
-        act = ops.linear_swiglu(h, self.w_gate_up, self.b_gate_up)
-        if not shard.active:
-            return ops.linear(act, self.w_down, self.b_down)
-        act = shard.gather(act, act.shape[1] * shard.world)
-        return shard.gather(ops.linear(act, self.w_down, self.b_down), self.w_down.shape[0] * shard.world)
+        act = self.ops.linear_swiglu(h, self.w_gate_up, self.b_gate_up)
+        return self.shard.output_linear(self.ops, act, self.w_down, self.b_down)
 
 
 class GraniteMLP:
@@ -49,11 +45,7 @@ class GraniteMLP:
         self.w_out = require(get, f"{prefix}.output_linear.weight")
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        act = self.ops.linear_swiglu(h, self.w_in)
-        if not self.shard.active:
-            return self.ops.linear(act, self.w_out)
-        act = self.shard.gather(act, act.shape[1] * self.shard.world)  # gathered, never summed (as MLP)
-        return self.shard.gather(self.ops.linear(act, self.w_out), self.w_out.shape[0] * self.shard.world)
+        return self.shard.output_linear(self.ops, self.ops.linear_swiglu(h, self.w_in), self.w_out)
 
 
 class SparseMoE:

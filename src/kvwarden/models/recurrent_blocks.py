@@ -43,15 +43,6 @@ class _RecurrentBlock:
     shard: TensorShard
     name: str = "rec"
 
-    def _project_out(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``out_proj``. Under tensor parallelism this rank holds its heads and its output columns: every head's
-        output is gathered first, the output columns after. NOTE(invariance): gathered, never summed across
-        ranks (models/tensor_shard.py), so every column is one rank's whole reduction, as on one rank."""
-        if not self.shard.active:
-            return self.ops.linear(x, w, b)
-        x = self.shard.gather(x, x.shape[1] * self.shard.world)
-        return self.shard.gather(self.ops.linear(x, w, b), w.shape[0] * self.shard.world)
-
     def _scan_requests(self, mixed: torch.Tensor, batch: ForwardBatch, layer: int, features: Callable) -> torch.Tensor:
         """Per request: conv (from its window) -> features -> scan; returns scan outputs per row."""
         states = batch.states
@@ -158,7 +149,7 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         core = self._scan_requests(mixed, batch, layer, features).view(rows * hv, dv)
         normed = ops.rms_norm(core.to(h.dtype), self.norm, self.eps)
         gated = normed.float() * self._silu(z.reshape(rows * hv, dv).float())
-        return self._project_out(gated.to(h.dtype).reshape(rows, hv * dv), self.w_out)
+        return self.shard.output_linear(ops, gated.to(h.dtype).reshape(rows, hv * dv), self.w_out)
 
     def _batched(self, h: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """Every request at once: conv, then the scan with its gates, then the gated norm (GPU backends)."""
@@ -184,7 +175,7 @@ class GatedDeltaNetBlock(_RecurrentBlock):
         gated = ops.rms_norm_gated(
             core, self.norm, self.eps, qkvz, self.group, 2 * g.key_head_dim + rep * g.value_head_dim, rep
         )
-        return self._project_out(gated.view(rows, -1), self.w_out)
+        return self.shard.output_linear(ops, gated.view(rows, -1), self.w_out)
 
     def _unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Packed features -> per-head q, k, v [Hv, L, d], g, beta [Hv, L] (q, k l2-normalised)."""
@@ -266,7 +257,7 @@ class Mamba2Block(_RecurrentBlock):
         ones = torch.ones(group, dtype=torch.float32, device=h.device)
         normed = ops.rms_norm(gated.reshape(rows * m.n_groups, group), ones, self.eps).reshape(rows, m.inner)
         normed = self.norm * normed.to(h.dtype)
-        return self._project_out(normed, self.w_out, self.b_out)
+        return self.shard.output_linear(ops, normed, self.w_out, self.b_out)
 
     def _batched(self, proj: torch.Tensor, dt: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """Every request at once: conv, then the scan (dt's softplus and clamp inside); ``[rows, inner]`` float32."""

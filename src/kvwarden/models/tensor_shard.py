@@ -70,6 +70,15 @@ class TensorShard:
         assert self.comm is not None, "tensor parallelism: the ranks' group is not attached"
         return torch.cat(self.comm.all_gather(x.contiguous(), even_split(n, self.world)), dim=-1)
 
+    def output_linear(self, ops: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """An output projection (``o_proj``, ``down_proj``, ``out_proj``) of this rank's input columns ``x`` and
+        output rows ``w``: every rank's input is gathered first, every rank's output columns after.
+        NOTE(invariance): gathered, never summed, so each column is one rank's whole reduction, as on one rank."""
+        if not self.active:
+            return ops.linear(x, w, b)
+        x = self.gather(x, x.shape[1] * self.world)
+        return self.gather(ops.linear(x, w, b), w.shape[0] * self.world)
+
     def owned_experts(self, num_experts: int) -> range:
         """The experts this rank holds (contiguous blocks; every expert on one rank)."""
         per = num_experts // self.world

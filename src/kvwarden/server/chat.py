@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
-from kvwarden.engine.prompt_ids import ContextLengthError
 from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
@@ -36,7 +35,7 @@ from kvwarden.server.formatting import (
 )
 from kvwarden.server.protocol import ApiError, ChatCompletionRequest, require_text
 from kvwarden.server.sse import EventStream, until_disconnected
-from kvwarden.server.streams import Job, choice_deltas, collect
+from kvwarden.server.streams import Job, choice_deltas, collect, invalid_prompt
 
 
 class ChatCompletions:
@@ -65,8 +64,7 @@ class ChatCompletions:
             )
             return engine.tokenize(text)
         except ValueError as exc:
-            code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
-            raise ApiError(400, str(exc), "messages", code) from exc
+            raise invalid_prompt(exc, "messages") from exc
 
     def _jobs(
         self, req: ChatCompletionRequest, ids: list[int], structured: StructuredOutputsParams | None

@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from kvwarden.engine.outputs import RequestOutput
-from kvwarden.engine.prompt_ids import ContextLengthError
 from kvwarden.engine.structured.params import StructuredOutputsParams
 from kvwarden.server.access_log import AccessRecord, access_record
 from kvwarden.server.async_engine import AsyncEngine
@@ -27,7 +26,7 @@ from kvwarden.server.formatting import (
 )
 from kvwarden.server.protocol import ApiError, CompletionRequest, require_text
 from kvwarden.server.sse import EventStream, until_disconnected
-from kvwarden.server.streams import Job, choice_deltas, collect
+from kvwarden.server.streams import Job, choice_deltas, collect, invalid_prompt
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -51,8 +50,7 @@ class Completions:
             try:
                 out.append(self.engine.engine.tokenize(p))
             except ValueError as exc:
-                code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
-                raise ApiError(400, str(exc), "prompt", code) from exc
+                raise invalid_prompt(exc, "prompt") from exc
         return out
 
     def _jobs(

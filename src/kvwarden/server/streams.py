@@ -34,6 +34,13 @@ class Job:
     remote: str | None = None  # the prefill instance computing the prompt (kv_transfer_params.prefill_url)
 
 
+def invalid_prompt(exc: ValueError, param: str | None) -> ApiError:
+    """A 400 for a prompt (or any value) the engine refused; one with no room left to generate within
+    ``max_model_len`` (measured only by the engine's tokenizer) is OpenAI's ``context_length_exceeded``."""
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+    return ApiError(400, str(exc), param, code)
+
+
 def _engine_error(exc: BaseException) -> ApiError:
     if isinstance(exc, QueueFullError):
         return ApiError(503, f"server overloaded: {exc}; retry later", None, "overloaded")
@@ -47,10 +54,8 @@ def _engine_error(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), None, exc.code)
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), None, "engine_dead")
-    if isinstance(exc, ContextLengthError):  # a prompt only the engine's tokenizer could measure
-        return ApiError(400, str(exc), None, "context_length_exceeded")
     if isinstance(exc, ValueError):
-        return ApiError(400, str(exc), None, "invalid_value")
+        return invalid_prompt(exc, None)
     return ApiError(500, f"engine error: {exc}", None, "internal_error")
 
 
